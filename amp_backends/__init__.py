@@ -1,0 +1,51 @@
+"""amp_backends: one mixed-precision API (autocast, GradScaler) for every PyTorch device.
+
+    be = amp_backends.get()          # best available backend, or get("cpu"), get("cuda"), ...
+    scaler = be.grad_scaler()
+    with be.autocast():
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+"""
+
+from __future__ import annotations
+
+from .backend import Backend
+from .errors import (
+    AmpBackendsError,
+    BackendUnavailableError,
+    DuplicateBackendError,
+    PluginLoadError,
+    StateDictError,
+    UnknownBackendError,
+    UnsupportedDtypeError,
+)
+from .hookspecs import hookimpl, hookspec
+from .kernels import Kernel, TorchKernel
+from .registry import available, get, names, plugins, register_plugin, reload
+from .scaler import GradScaler, ScalerStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmpBackendsError",
+    "Backend",
+    "BackendUnavailableError",
+    "DuplicateBackendError",
+    "GradScaler",
+    "Kernel",
+    "PluginLoadError",
+    "ScalerStats",
+    "StateDictError",
+    "TorchKernel",
+    "UnknownBackendError",
+    "UnsupportedDtypeError",
+    "__version__",
+    "available",
+    "get",
+    "hookimpl",
+    "hookspec",
+    "names",
+    "plugins",
+    "register_plugin",
+    "reload",
+]

@@ -1,0 +1,194 @@
+"""The backend contract: what every device plugs in to run mixed precision."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import UnsupportedDtypeError
+from .kernels import Kernel
+
+if TYPE_CHECKING:
+    from .scaler import GradScaler
+
+__all__ = ["Backend", "group_by_device_and_dtype"]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def group_by_device_and_dtype(
+    tensors: Iterable[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Split tensors into lists that share a device and a dtype, keeping their order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return groups
+
+
+class Backend:
+    """Base class of every backend.
+
+    A device that already works with ``torch.autocast(device_type)`` and torch's own
+    unscale kernel needs only ``name``, ``device_type``, ``default_dtype`` and
+    :meth:`is_available`; everything else has a torch-generic default here.
+    """
+
+    #: Registry key, e.g. ``"cuda"``.
+    name: str = ""
+    #: The torch device type tensors live on, e.g. ``"cuda"``.
+    device_type: str = ""
+    #: Autocast dtype used when none is given.
+    default_dtype: torch.dtype = torch.float16
+    #: ``torch.distributed`` process-group backend for this device.
+    dist_backend: str = "gloo"
+    #: Automatic choice picks the available backend with the highest priority.
+    priority: int = 50
+
+    _kernel: Kernel | None = None
+
+    # -- availability -----------------------------------------------------------------
+    def is_available(self) -> bool:
+        """Whether the device can be used on this machine."""
+        raise NotImplementedError(f"{type(self).__name__} must implement is_available()")
+
+    def unavailable_reason(self) -> str | None:
+        """Why the backend cannot be used, or None when it can."""
+        if self.is_available():
+            return None
+        return f"{type(self).__name__}.is_available() returned False"
+
+    # -- dtypes and autocast ----------------------------------------------------------
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Autocast dtypes this device supports, the default first."""
+        dtypes = [self.default_dtype]
+        module = getattr(torch, self.device_type, None)
+        query = getattr(module, "get_amp_supported_dtype", None)
+        if callable(query):
+            dtypes += [d for d in query() if d not in dtypes]
+        return tuple(dtypes)
+
+    def resolve_dtype(self, dtype: torch.dtype | str | None = None) -> torch.dtype:
+        """Return ``dtype`` (or the default) after checking the backend supports it."""
+        if dtype is None:
+            return self.default_dtype
+        supported = self.supported_dtypes()
+        names = ", ".join(_dtype_name(d) for d in supported)
+        if isinstance(dtype, str):
+            resolved = getattr(torch, dtype.replace("torch.", ""), None)
+            if not isinstance(resolved, torch.dtype):
+                raise UnsupportedDtypeError(
+                    f"{dtype!r} is not a torch dtype; backend {self.name!r} supports: {names}"
+                )
+            dtype = resolved
+        if not isinstance(dtype, torch.dtype):
+            raise UnsupportedDtypeError(
+                f"dtype must be a torch dtype or None, got {type(dtype).__name__} {dtype!r}; "
+                f"backend {self.name!r} supports: {names}"
+            )
+        if dtype not in supported:
+            raise UnsupportedDtypeError(
+                f"backend {self.name!r} does not support autocast dtype {_dtype_name(dtype)}; "
+                f"supported: {names}. Pass one of those, or dtype=None for the default "
+                f"({_dtype_name(self.default_dtype)})."
+            )
+        return dtype
+
+    def autocast(
+        self,
+        dtype: torch.dtype | str | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+    ) -> torch.autocast:
+        """Autocast for this device; a context manager that also works as a decorator."""
+        return torch.autocast(
+            self.device_type,
+            dtype=self.resolve_dtype(dtype),
+            enabled=enabled,
+            cache_enabled=cache_enabled,
+        )
+
+    def grad_scaler(self, dtype: torch.dtype | str | None = None, **kwargs: Any) -> GradScaler:
+        """A GradScaler for training under ``autocast(dtype)``.
+
+        It scales when the dtype is float16; for bfloat16 it is free (no scaling, no
+        unscale pass) and, with ``check_finite=True``, still refuses non-finite steps.
+        """
+        from .scaler import GradScaler
+
+        needs_scaling = self.resolve_dtype(dtype) == torch.float16
+        kwargs["enabled"] = kwargs.get("enabled", True) and needs_scaling
+        return GradScaler(self, **kwargs)
+
+    # -- gradient ops -----------------------------------------------------------------
+    @property
+    def kernel(self) -> Kernel:
+        """The kernel this backend's gradient ops run on (``AMP_BACKENDS_KERNEL`` forces one)."""
+        if self._kernel is None:
+            from .registry import kernel_for
+
+            self._kernel = kernel_for(self)
+        return self._kernel
+
+    def unscale_and_check_(
+        self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    ) -> None:
+        """Multiply every gradient in place by ``inv_scale``; set ``found_inf`` (0-dim fp32)
+        to 1 if any element is inf, -inf or NaN. Lists may mix dtypes and strides."""
+        kernel = self.kernel
+        for group in group_by_device_and_dtype(grads).values():
+            kernel.unscale_and_check_(group, found_inf, inv_scale)
+
+    def check_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """Read-only inf/NaN check: set ``found_inf`` to 1 on any non-finite element."""
+        kernel = self.kernel
+        for group in group_by_device_and_dtype(grads).values():
+            kernel.check_(group, found_inf)
+
+    def unscale_check_norm_(
+        self,
+        grads: Sequence[torch.Tensor],
+        found_inf: torch.Tensor,
+        inv_scale: torch.Tensor,
+        norm_sq: torch.Tensor,
+    ) -> None:
+        """Unscale and check, adding the fp32 sum of squares of the result to ``norm_sq``."""
+        kernel = self.kernel
+        for group in group_by_device_and_dtype(grads).values():
+            kernel.unscale_check_norm_(group, found_inf, inv_scale, norm_sq)
+
+    # -- device -----------------------------------------------------------------------
+    def device(self, index: int | None = None) -> torch.device:
+        """The torch device for ``index`` (the current one when None)."""
+        return torch.device(self.device_type) if index is None else torch.device(self.device_type, index)
+
+    def _device_module(self) -> Any:
+        return getattr(torch, self.device_type, None)
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on the device."""
+        sync = getattr(self._device_module(), "synchronize", None)
+        if callable(sync):
+            sync()
+
+    def max_memory_allocated(self) -> int | None:
+        """Peak bytes allocated since the last reset, or None where the device does not track it."""
+        query = getattr(self._device_module(), "max_memory_allocated", None)
+        return int(query()) if callable(query) else None
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak-memory measurement, where the device tracks one."""
+        reset = getattr(self._device_module(), "reset_peak_memory_stats", None)
+        if callable(reset):
+            reset()
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} name={self.name!r} device_type={self.device_type!r} "
+            f"default_dtype={_dtype_name(self.default_dtype)}>"
+        )

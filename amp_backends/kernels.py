@@ -1,0 +1,73 @@
+"""Gradient kernels: the ops a backend's unscale/inf-check goes through.
+
+A :class:`Kernel` works on one list of gradients that share a device and a dtype.
+:class:`TorchKernel` is the pure-torch default every device falls back to; plugins
+(the Triton plugin) register faster ones through ``amp_backends_register_kernels``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL"]
+
+
+class Kernel:
+    """A provider of the fused gradient ops; subclass and override what you accelerate."""
+
+    name: str = "kernel"
+    #: Higher wins when several kernels can run on a device type.
+    priority: int = 0
+
+    def supports(self, device_type: str) -> bool:
+        """Whether this kernel can run on tensors of ``device_type`` (when forced)."""
+        return True
+
+    def auto_select(self, device_type: str) -> bool:
+        """Whether to pick this kernel for ``device_type`` when nothing is forced."""
+        return self.supports(device_type)
+
+    def unavailable_reason(self, device_type: str) -> str | None:
+        """Why the kernel cannot run on ``device_type``, or None where it can."""
+        return None if self.supports(device_type) else f"kernel {self.name!r} does not support {device_type!r}"
+
+    def unscale_and_check_(
+        self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    ) -> None:
+        """Multiply ``grads`` by ``inv_scale`` in place; set ``found_inf`` to 1 on any inf/NaN."""
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, inv_scale)
+
+    def check_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
+        """Set ``found_inf`` to 1 on any inf/NaN in ``grads`` without changing them."""
+        one = torch.ones((), dtype=torch.float32, device=found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), found_inf, one)
+
+    def unscale_check_norm_(
+        self,
+        grads: Sequence[torch.Tensor],
+        found_inf: torch.Tensor,
+        inv_scale: torch.Tensor,
+        norm_sq: torch.Tensor,
+    ) -> None:
+        """Unscale and check like :meth:`unscale_and_check_`, and add the sum of squares
+        of the unscaled gradients (in fp32) to the 0-dim fp32 tensor ``norm_sq``."""
+        grads = list(grads)
+        self.unscale_and_check_(grads, found_inf, inv_scale)
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            norm_sq.add_(torch.stack([n.float() for n in norms]).square().sum())
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+class TorchKernel(Kernel):
+    """torch's own ops: ``_amp_foreach_non_finite_check_and_unscale_`` and ``_foreach_norm``."""
+
+    name = "torch"
+    priority = -1
+
+
+TORCH_KERNEL = TorchKernel()

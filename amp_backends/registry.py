@@ -1,0 +1,454 @@
+"""Finds plugins through the ``amp_backends`` entry-point group and keeps their backends.
+
+Environment:
+- ``AMP_BACKEND``: the backend ``get()`` returns when asked for none (or ``"auto"``).
+- ``AMP_BACKENDS_DISABLE_PLUGINS``: comma-separated entry-point or package names never
+  imported; ``1`` (or ``all``) disables every third-party plugin.
+- ``AMP_BACKENDS_PLUGINS``: allow-list; when set, only the third-party plugins it names
+  are imported (built-in plugins always load unless disabled by name).
+- ``AMP_BACKENDS_KERNEL``: ``torch``, ``triton`` or another kernel name forces that kernel.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .backend import Backend
+from .errors import (
+    BackendUnavailableError,
+    DuplicateBackendError,
+    PluginLoadError,
+    UnknownBackendError,
+)
+from .kernels import TORCH_KERNEL, Kernel
+
+__all__ = [
+    "PluginRecord",
+    "Registry",
+    "available",
+    "default_registry",
+    "get",
+    "kernel_for",
+    "names",
+    "plugins",
+    "register_plugin",
+    "reload",
+]
+
+ENTRY_POINT_GROUP = "amp_backends"
+BUILTIN_PACKAGE = "amp-backends"
+_TRUE = {"1", "all", "true", "yes", "*"}
+
+
+def _env_list(var: str) -> set[str] | None:
+    value = os.environ.get(var)
+    if value is None:
+        return None
+    return {part.strip().lower() for part in value.split(",") if part.strip()}
+
+
+def _normalise(package: str) -> str:
+    return package.lower().replace("_", "-")
+
+
+@dataclass
+class PluginRecord:
+    """What became of one plugin: loaded, failed (with its error) or disabled."""
+
+    name: str
+    package: str
+    version: str
+    builtin: bool
+    module: str = ""
+    status: str = "loaded"
+    error: str = ""
+    traceback: str = ""
+    backends: list[str] = field(default_factory=list)
+    kernels: list[str] = field(default_factory=list)
+
+    def disable_hint(self) -> str:
+        return f"AMP_BACKENDS_DISABLE_PLUGINS={self.name}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "package": self.package,
+            "version": self.version,
+            "builtin": self.builtin,
+            "module": self.module,
+            "status": self.status,
+            "error": self.error,
+            "backends": list(self.backends),
+            "kernels": list(self.kernels),
+        }
+
+
+class Registry:
+    """Backends and kernels registered by plugins, loaded on first use."""
+
+    def __init__(self, group: str = ENTRY_POINT_GROUP) -> None:
+        self.group = group
+        self._lock = threading.RLock()
+        self._loaded = False
+        self._extra: list[tuple[object, str, str, str]] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self._records: dict[str, PluginRecord] = {}
+        self._backends: dict[str, tuple[Backend, PluginRecord, bool]] = {}
+        self._duplicates: dict[str, list[PluginRecord]] = {}
+        self._kernels: dict[str, tuple[Kernel, PluginRecord]] = {}
+
+    # -- loading ----------------------------------------------------------------------
+    def reload(self) -> None:
+        """Forget everything and discover plugins again (re-reading the environment)."""
+        with self._lock:
+            self._reset()
+            self._loaded = False
+            self._ensure_loaded()
+
+    def register_plugin(self, plugin: object, name: str | None = None, package: str = "") -> None:
+        """Register an in-process plugin object or module (notebooks, tests)."""
+        with self._lock:
+            name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+            package = package or name
+            self._extra.append((plugin, name, package, ""))
+            if self._loaded:
+                self._add_plugin(plugin, PluginRecord(name, package, "", builtin=False))
+                self._collect([name])
+
+    def unregister_plugin(self, name: str) -> None:
+        """Remove an in-process plugin registered with :meth:`register_plugin`."""
+        with self._lock:
+            self._extra = [e for e in self._extra if e[1] != name]
+            self.reload()
+
+    def _ensure_loaded(self) -> None:
+        if self._loaded:
+            return
+        with self._lock:
+            if self._loaded:
+                return
+            self._loaded = True
+            order: list[str] = []
+            for ep in self._entry_points():
+                record = self._record_for(ep)
+                if record.name in self._records:
+                    continue  # the same distribution seen twice on sys.path
+                self._records[record.name] = record
+                if record.status == "disabled":
+                    continue
+                try:
+                    plugin = ep.load()
+                except BaseException as exc:  # noqa: BLE001 - a broken plugin must not break others
+                    self._fail(record, exc)
+                    continue
+                if self._add_plugin(plugin, record):
+                    order.append(record.name)
+            for plugin, name, package, version in self._extra:
+                if self._add_plugin(plugin, PluginRecord(name, package, version, builtin=False)):
+                    order.append(name)
+            self._collect(order)
+
+    def _entry_points(self) -> list[metadata.EntryPoint]:
+        eps = list(metadata.entry_points(group=self.group))
+        # Built-ins first, so that a third-party duplicate names the built-in it collides with.
+        return sorted(eps, key=lambda ep: (not self._is_builtin(ep), ep.name))
+
+    @staticmethod
+    def _is_builtin(ep: metadata.EntryPoint) -> bool:
+        dist = getattr(ep, "dist", None)
+        return dist is not None and _normalise(dist.metadata["Name"] or "") == BUILTIN_PACKAGE
+
+    def _record_for(self, ep: metadata.EntryPoint) -> PluginRecord:
+        dist = getattr(ep, "dist", None)
+        package = (dist.metadata["Name"] if dist is not None else None) or "?"
+        version = (dist.version if dist is not None else None) or "?"
+        record = PluginRecord(ep.name, package, version, self._is_builtin(ep), module=ep.value)
+        keys = {ep.name.lower(), _normalise(package)}
+        disabled = _env_list("AMP_BACKENDS_DISABLE_PLUGINS") or set()
+        allowed = _env_list("AMP_BACKENDS_PLUGINS")
+        if keys & disabled:
+            record.status, record.error = "disabled", "disabled by AMP_BACKENDS_DISABLE_PLUGINS"
+        elif not record.builtin and disabled & _TRUE:
+            record.status, record.error = "disabled", "third-party plugins disabled by AMP_BACKENDS_DISABLE_PLUGINS"
+        elif not record.builtin and allowed is not None and not keys & allowed:
+            record.status, record.error = "disabled", "not in the AMP_BACKENDS_PLUGINS allow-list"
+        return record
+
+    @staticmethod
+    def _fail(record: PluginRecord, exc: BaseException) -> None:
+        record.status = "failed"
+        record.error = f"{type(exc).__name__}: {exc}"
+        record.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+    def _add_plugin(self, plugin: object, record: PluginRecord) -> bool:
+        self._records[record.name] = record
+        try:
+            self._pm.register(plugin, name=record.name)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(record, exc)
+            return False
+        return True
+
+    def _collect(self, order: list[str]) -> None:
+        """Call each plugin's hooks on its own, so one failing plugin affects no other."""
+        for hook_name, adder in (
+            ("amp_backends_register_backends", self._add_backend),
+            ("amp_backends_register_kernels", self._add_kernel),
+        ):
+            caller = getattr(self._pm.hook, hook_name)
+            impls = {impl.plugin_name: impl for impl in caller.get_hookimpls()}
+            for name in order:
+                impl = impls.get(name)
+                record = self._records[name]
+                if impl is None or record.status == "failed":
+                    continue
+                try:
+                    impl.function(register=_Registrar(adder, record))
+                except BaseException as exc:  # noqa: BLE001
+                    self._fail(record, exc)
+                    self._drop(record)
+
+    def _drop(self, record: PluginRecord) -> None:
+        for key in [k for k, (_, rec, _) in self._backends.items() if rec is record]:
+            del self._backends[key]
+        for key in [k for k, (_, rec) in self._kernels.items() if rec is record]:
+            del self._kernels[key]
+        self._pm.unregister(name=record.name)
+
+    def _add_backend(self, record: PluginRecord, backend: Backend, override: bool = False) -> None:
+        if not isinstance(backend, Backend):
+            raise TypeError(
+                f"register() takes an amp_backends.Backend instance, got {type(backend).__name__}"
+            )
+        for attr in ("name", "device_type"):
+            if not isinstance(getattr(backend, attr), str) or not getattr(backend, attr):
+                raise ValueError(f"{type(backend).__name__}.{attr} must be a non-empty string")
+        key = backend.name.lower()
+        record.backends.append(key)
+        if key in self._duplicates:
+            self._duplicates[key].append(record)
+            return
+        existing = self._backends.get(key)
+        if existing is None or override:
+            self._backends[key] = (backend, record, override)
+        elif existing[2]:
+            return  # the one already here explicitly overrides
+        else:
+            self._duplicates[key] = [existing[1], record]
+            del self._backends[key]
+
+    def _add_kernel(self, record: PluginRecord, kernel: Kernel) -> None:
+        if not isinstance(kernel, Kernel):
+            raise TypeError(f"register() takes an amp_backends.Kernel instance, got {type(kernel).__name__}")
+        key = kernel.name.lower()
+        if key == TORCH_KERNEL.name or key in self._kernels:
+            owner = "amp-backends" if key == TORCH_KERNEL.name else self._kernels[key][1].package
+            raise DuplicateBackendError(f"kernel name {key!r} is already registered by {owner}")
+        self._kernels[key] = (kernel, record)
+        record.kernels.append(key)
+
+    # -- queries ----------------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Every registered backend name, available or not."""
+        self._ensure_loaded()
+        return sorted(self._backends)
+
+    def available(self) -> list[str]:
+        """Names of the backends usable on this machine, best first."""
+        self._ensure_loaded()
+        usable = [b for b, _, _ in self._backends.values() if _safe_available(b)]
+        return [b.name for b in sorted(usable, key=lambda b: (-b.priority, b.name))]
+
+    def plugins(self) -> list[PluginRecord]:
+        """Every plugin seen: loaded, failed or disabled."""
+        self._ensure_loaded()
+        return list(self._records.values())
+
+    def backends(self) -> list[tuple[Backend, PluginRecord]]:
+        """Every registered backend with the plugin that registered it."""
+        self._ensure_loaded()
+        return [(b, rec) for _, (b, rec, _) in sorted(self._backends.items())]
+
+    def duplicates(self) -> dict[str, list[PluginRecord]]:
+        self._ensure_loaded()
+        return dict(self._duplicates)
+
+    def kernels(self) -> dict[str, Kernel]:
+        self._ensure_loaded()
+        return {TORCH_KERNEL.name: TORCH_KERNEL, **{k: v for k, (v, _) in self._kernels.items()}}
+
+    def get(self, name: str | None = None) -> Backend:
+        """The backend called ``name``; the best available one for None or ``"auto"``."""
+        self._ensure_loaded()
+        if name is None or (isinstance(name, str) and name.strip().lower() == "auto"):
+            chosen = os.environ.get("AMP_BACKEND", "").strip()
+            if chosen and chosen.lower() != "auto":
+                return self.get(chosen)
+            usable = self.available()
+            if not usable:
+                reasons = "; ".join(f"{n}: {_safe_reason(b)}" for n, (b, _, _) in sorted(self._backends.items()))
+                raise BackendUnavailableError(f"no backend is available ({reasons or 'none registered'})")
+            return self._backends[usable[0].lower()][0]
+        if not isinstance(name, str):
+            raise TypeError(f"backend name must be a string, got {type(name).__name__}")
+        key = name.strip().lower()
+        if key in self._duplicates:
+            raise DuplicateBackendError(_duplicate_message(key, self._duplicates[key]))
+        entry = self._backends.get(key)
+        if entry is None:
+            raise self._missing(name, key)
+        backend = entry[0]
+        reason = _safe_reason(backend)
+        if reason is not None:
+            raise BackendUnavailableError(f"backend {backend.name!r} is not available: {reason}")
+        return backend
+
+    def _missing(self, name: str, key: str) -> Exception:
+        for record in self._records.values():
+            if key in (record.name.lower(), _normalise(record.package)) and record.status != "loaded":
+                return _plugin_error(name, record)
+        known = sorted(self._backends)
+        close = difflib.get_close_matches(key, known, n=1)
+        message = f"unknown backend {name!r}."
+        if close:
+            message += f" Did you mean {close[0]!r}?"
+        message += f" Known backends: {', '.join(known) or '(none)'}."
+        broken = [r for r in self._records.values() if r.status == "failed"]
+        if broken:
+            message += " Plugins that failed to load: " + "; ".join(
+                f"{r.name} ({r.package}): {r.error}" for r in broken
+            ) + " (run `amp-backends info`)."
+        return UnknownBackendError(message)
+
+    def kernel_for(self, backend: Backend) -> Kernel:
+        """The kernel ``backend`` runs its gradient ops on."""
+        self._ensure_loaded()
+        device_type = backend.device_type
+        forced = os.environ.get("AMP_BACKENDS_KERNEL", "").strip().lower()
+        if forced and forced != "auto":
+            kernels = self.kernels()
+            if forced not in kernels:
+                raise BackendUnavailableError(
+                    f"AMP_BACKENDS_KERNEL={forced!r} names no registered kernel; "
+                    f"known: {', '.join(sorted(kernels))}. Unset it to choose automatically."
+                )
+            kernel = kernels[forced]
+            reason = kernel.unavailable_reason(device_type)
+            if reason is not None:
+                raise BackendUnavailableError(
+                    f"AMP_BACKENDS_KERNEL={forced!r} cannot run on {device_type!r}: {reason}. "
+                    "Unset it, or set it to 'torch'."
+                )
+            return kernel
+        candidates = sorted(self._kernels.values(), key=lambda kr: -kr[0].priority)
+        for kernel, _ in candidates:
+            try:
+                if kernel.auto_select(device_type):
+                    return kernel
+            except Exception:  # noqa: BLE001 - a broken kernel falls back to torch's
+                continue
+        return TORCH_KERNEL
+
+
+class _Registrar:
+    """The ``register`` callable handed to one plugin's hook."""
+
+    def __init__(self, adder: Callable[..., None], record: PluginRecord) -> None:
+        self._adder = adder
+        self._record = record
+
+    def __call__(self, obj: Any, **kwargs: Any) -> None:
+        self._adder(self._record, obj, **kwargs)
+
+
+def _safe_available(backend: Backend) -> bool:
+    try:
+        return bool(backend.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _safe_reason(backend: Backend) -> str | None:
+    try:
+        return backend.unavailable_reason()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(backend).__name__}.unavailable_reason() raised {type(exc).__name__}: {exc}"
+
+
+def _plugin_error(name: str, record: PluginRecord) -> BackendUnavailableError:
+    if record.status == "disabled":
+        return BackendUnavailableError(
+            f"backend {name!r}: plugin {record.name!r} (package {record.package}) is {record.error}; "
+            "remove it from that variable to load it."
+        )
+    return PluginLoadError(
+        f"backend {name!r}: plugin {record.name!r} from package {record.package} {record.version} "
+        f"failed to load: {record.error}. Fix or reinstall that package, or disable the plugin "
+        f"with {record.disable_hint()} (`amp-backends info` shows the traceback)."
+    )
+
+
+def _duplicate_message(key: str, records: list[PluginRecord]) -> str:
+    owners = " and ".join(f"{r.package} (plugin {r.name!r})" for r in records)
+    return (
+        f"backend name {key!r} is registered by both {owners}. Uninstall or disable one "
+        f"(AMP_BACKENDS_DISABLE_PLUGINS={records[-1].name}), or have the replacement call "
+        "register(backend, override=True)."
+    )
+
+
+_DEFAULT = Registry()
+
+
+def default_registry() -> Registry:
+    """The process-wide registry the module-level functions use."""
+    return _DEFAULT
+
+
+def get(name: str | None = None) -> Backend:
+    """A backend by name; the best available one for None or ``"auto"`` (``AMP_BACKEND`` overrides)."""
+    return _DEFAULT.get(name)
+
+
+def names() -> list[str]:
+    """Every registered backend name."""
+    return _DEFAULT.names()
+
+
+def available() -> list[str]:
+    """Backends usable on this machine, best first."""
+    return _DEFAULT.available()
+
+
+def plugins() -> list[PluginRecord]:
+    """Every plugin seen, with its status and error."""
+    return _DEFAULT.plugins()
+
+
+def register_plugin(plugin: object, name: str | None = None) -> None:
+    """Register an in-process plugin (a module or object with hook implementations)."""
+    _DEFAULT.register_plugin(plugin, name)
+
+
+def reload() -> None:
+    """Discover plugins again, re-reading the environment variables."""
+    _DEFAULT.reload()
+
+
+def kernel_for(backend: Backend) -> Kernel:
+    """The kernel ``backend`` uses (``AMP_BACKENDS_KERNEL`` forces one)."""
+    return _DEFAULT.kernel_for(backend)

@@ -1,0 +1,85 @@
+"""Shared helpers: real third-party plugins as installed distributions, run in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+def write_distribution(
+    root: Path, package: str, module: str, source: str, entry_points: dict[str, str], version: str = "1.0"
+) -> Path:
+    """Write an importable module and a ``*.dist-info`` declaring its ``amp_backends`` entry points."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    dist = root / f"{package.replace('-', '_')}-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+    lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
+    (dist / "entry_points.txt").write_text(f"[amp_backends]\n{lines}\n")
+    return root
+
+
+def run_python(code: str, paths: list[Path] = (), env: dict[str, str] | None = None, timeout: int = 240):
+    """Run ``code`` in a fresh interpreter with ``paths`` on sys.path; return the CompletedProcess."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BACKEND")}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(p) for p in paths] + [full_env.get("PYTHONPATH", "")])
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
+
+
+def run_json(code: str, paths: list[Path] = (), env: dict[str, str] | None = None):
+    """Run ``code``, which prints one JSON document last, and return it parsed."""
+    proc = run_python(code, paths, env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+ACME_SOURCE = '''
+import torch
+import amp_backends
+
+class AcmeBackend(amp_backends.Backend):
+    name = "acme"
+    device_type = "cpu"
+    default_dtype = torch.bfloat16
+
+    def is_available(self):
+        return True
+
+@amp_backends.hookimpl
+def amp_backends_register_backends(register):
+    register(AcmeBackend())
+'''
+
+
+@pytest.fixture
+def acme_plugin(tmp_path: Path) -> Path:
+    """A third-party plugin package 'acme-amp' providing backend 'acme' (on the CPU)."""
+    return write_distribution(tmp_path / "acme", "acme-amp", "acme_amp", ACME_SOURCE, {"acme": "acme_amp"})
+
+
+@pytest.fixture
+def no_amp_env(monkeypatch: pytest.MonkeyPatch):
+    """Clear amp_backends' environment variables and reload the registry around a test."""
+    import amp_backends
+
+    for var in list(os.environ):
+        if var.startswith("AMP_BACKEND"):
+            monkeypatch.delenv(var)
+    amp_backends.reload()
+    yield
+    monkeypatch.undo()
+    amp_backends.reload()
