@@ -162,6 +162,12 @@ class Backend:
         for group in group_by_device_and_dtype(grads).values():
             kernel.unscale_check_norm_(group, found_inf, inv_scale, norm_sq)
 
+    def check_norm_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, norm_sq: torch.Tensor) -> None:
+        """Read-only check that also adds the fp32 sum of squares of ``grads`` to ``norm_sq``."""
+        kernel = self.kernel
+        for group in group_by_device_and_dtype(grads).values():
+            kernel.check_norm_(group, found_inf, norm_sq)
+
     # -- device -----------------------------------------------------------------------
     def device(self, index: int | None = None) -> torch.device:
         """The torch device for ``index`` (the current one when None)."""

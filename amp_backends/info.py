@@ -27,10 +27,11 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
             dtypes = [_dtype(d) for d in backend.supported_dtypes()]
         except Exception as exc:  # noqa: BLE001
             dtypes = [f"error: {exc}"]
+        kernel_error = None
         try:
             kernel = backend.kernel.name
         except Exception as exc:  # noqa: BLE001
-            kernel = f"error: {exc}"
+            kernel, kernel_error = "error", str(exc)
         rows.append(
             {
                 "name": backend.name,
@@ -40,6 +41,7 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
                 "default_dtype": _dtype(backend.default_dtype),
                 "supported_dtypes": dtypes,
                 "kernel": kernel,
+                "kernel_error": kernel_error,
                 "dist_backend": backend.dist_backend,
                 "plugin": record.name,
                 "package": record.package,
@@ -89,6 +91,9 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
     missing = [b for b in data["backends"] if not b["available"]]
     if missing:
         out += ["", "Why not available:"] + [f"  {b['name']}: {b['reason']}" for b in missing]
+    broken_kernels = [b for b in data["backends"] if b["kernel_error"]]
+    if broken_kernels:
+        out += ["", "Kernel problems:"] + [f"  {b['name']}: {b['kernel_error']}" for b in broken_kernels]
     for name, owners in data["duplicates"].items():
         out.append(f"\nDuplicate backend {name!r} registered by {' and '.join(owners)}: neither is used.")
     trouble = [p for p in data["plugins"] if p["status"] != "loaded"]

@@ -59,6 +59,14 @@ class Kernel:
             norms = torch._foreach_norm(grads, 2.0)
             norm_sq.add_(torch.stack([n.float() for n in norms]).square().sum())
 
+    def check_norm_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, norm_sq: torch.Tensor) -> None:
+        """Read-only: check like :meth:`check_` and add the fp32 sum of squares of ``grads`` to ``norm_sq``."""
+        grads = list(grads)
+        self.check_(grads, found_inf)
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            norm_sq.add_(torch.stack([n.float() for n in norms]).square().sum())
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 

@@ -197,21 +197,35 @@ class GradScaler:
         allow_fp16: bool,
         norm_sq: torch.Tensor | None = None,
     ) -> dict[torch.device, torch.Tensor]:
-        """Unscale (or, with ``inv_scale=None``, only check) every gradient, per device and dtype."""
+        """Run the backend's op on every gradient, per device and dtype.
+
+        ``inv_scale`` None means a read-only check; ``norm_sq`` (on the scale's device)
+        also accumulates the sum of squares of the (unscaled) gradients.
+        """
         with torch.no_grad():
             grads = self._grads(optimizer, allow_fp16)
             found = self._found_inf_buffers(grads)
-            inv = {}
+            inv: dict[torch.device, torch.Tensor] = {}
+            partial: dict[torch.device, torch.Tensor] = {}
             for (device, _), group in group_by_device_and_dtype(grads).items():
+                if norm_sq is not None and device not in partial:
+                    partial[device] = norm_sq if device == norm_sq.device else torch.zeros_like(norm_sq, device=device)
                 if inv_scale is None:
-                    self.backend.check_(group, found[device])
+                    if norm_sq is None:
+                        self.backend.check_(group, found[device])
+                    else:
+                        self.backend.check_norm_(group, found[device], partial[device])
                     continue
                 if device not in inv:
                     inv[device] = inv_scale.to(device, non_blocking=True)
                 if norm_sq is None:
                     self.backend.unscale_and_check_(group, found[device], inv[device])
                 else:
-                    self.backend.unscale_check_norm_(group, found[device], inv[device], norm_sq)
+                    self.backend.unscale_check_norm_(group, found[device], inv[device], partial[device])
+            for device, value in partial.items():
+                if value is not norm_sq:
+                    assert norm_sq is not None
+                    norm_sq.add_(value.to(norm_sq.device))
             self._all_reduce(found)
         return found
 
@@ -272,7 +286,7 @@ class GradScaler:
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         if fused:
             # read-only pass: check and sum squares of the still-scaled gradients
-            state.found_inf = self._check_and_norm(optimizer, norm_sq)
+            state.found_inf = self._unscale_grads(optimizer, None, True, norm_sq)
             total = norm_sq.sqrt() * self._inv_scale()
         else:
             state.found_inf = self._unscale_grads(optimizer, self._inv_scale(), False, norm_sq)
@@ -286,23 +300,6 @@ class GradScaler:
                 torch._foreach_mul_(group, coef.to(device))
         state.stage = _Stage.UNSCALED
         return total
-
-    def _check_and_norm(
-        self, optimizer: torch.optim.Optimizer, norm_sq: torch.Tensor
-    ) -> dict[torch.device, torch.Tensor]:
-        kernel_ops = getattr(self.backend.kernel, "check_norm_", None)
-        with torch.no_grad():
-            grads = self._grads(optimizer, allow_fp16=True)
-            found = self._found_inf_buffers(grads)
-            for (device, _), group in group_by_device_and_dtype(grads).items():
-                if kernel_ops is not None:
-                    kernel_ops(group, found[device], norm_sq)
-                else:
-                    self.backend.check_(group, found[device])
-                    norms = torch._foreach_norm(group, 2.0)
-                    norm_sq.add_(torch.stack([n.float() for n in norms]).square().sum().to(norm_sq.device))
-            self._all_reduce(found)
-        return found
 
     def _check_stage(self, state: _OptimizerState, what: str) -> None:
         if state.stage is _Stage.UNSCALED:

@@ -1,0 +1,197 @@
+"""Gradient-kernel benchmark: Triton fused kernels against torch's own ops, same run.
+
+    python bench/unscale.py                 # on a CUDA GPU: the full table
+    python bench/unscale.py --json out.json
+    TRITON_INTERPRET=1 python bench/unscale.py --smoke   # tiny sizes on CPU: checks the script runs
+
+Every row times ours and the anchor interleaved on the same random (never zero) data,
+after warm-up, and reports medians. Bandwidth counts the bytes a kernel must move:
+2N for unscale+check (read and write), N for a read-only check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+GPT2_SMALL = (
+    [(50257, 768), (1024, 768)]
+    + [
+        shape
+        for _ in range(12)
+        for shape in [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
+                      (768, 3072), (3072,), (3072, 768), (768,)]
+    ]
+    + [(768,), (768,)]
+)
+
+
+def grads(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for shape in shapes:
+        t = (torch.rand(shape, generator=g) + 0.5) * torch.sign(torch.randn(shape, generator=g) + 1e-3)
+        out.append(t.to(device=device, dtype=dtype))
+    return out
+
+
+def timer(device: str, warmup: int, reps: int) -> Callable[[Callable[[], object]], float]:
+    """Median seconds of ``fn``: CUDA events through triton.testing.do_bench, a host clock on CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=warmup, rep=reps, return_mode="median") / 1e3
+
+    def host(fn: Callable[[], object]) -> float:
+        fn()
+        samples = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    return host
+
+
+def host_time(fn: Callable[[], object], device: str, calls: int = 200) -> float:
+    """Median host seconds per call, without waiting for the device (launch overhead)."""
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+        if device == "cuda" and len(samples) % 20 == 0:
+            torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU under TRITON_INTERPRET=1)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        print("no CUDA device: run on a GPU, or use --smoke with TRITON_INTERPRET=1 to check the script", file=sys.stderr)
+        return 2
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton
+
+    from amp_backends.kernels import TORCH_KERNEL
+    from amp_backends_plugins.triton import TritonKernel
+
+    ours = TritonKernel()
+    torch_op = TORCH_KERNEL
+    measure = timer(device, warmup=25, reps=200)
+    big = 2**12 if args.smoke else 2**28  # fp32 elements: 1 GiB on a GPU
+    gpt2 = [tuple(max(1, d // 32) for d in s) for s in GPT2_SMALL] if args.smoke else GPT2_SMALL
+    small = [(37,)] * (50 if args.smoke else 2000)
+    dev = torch.device(device)
+    one = torch.ones((), device=dev)
+    inv = torch.full((), 1.0, device=dev)  # applied again and again: keeps the data unchanged
+    rows: list[dict[str, object]] = []
+
+    def found() -> torch.Tensor:
+        return torch.zeros((), device=dev)
+
+    # 1. copy bandwidth, the ceiling
+    src = grads([(big,)], torch.float32, device)[0]
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+    t_copy = measure(lambda: dst.copy_(src))
+    copy_bw = 2 * nbytes / t_copy
+    rows.append({"case": "device copy" + ("" if args.smoke else ", 1 GiB fp32"), "ours_ms": t_copy * 1e3,
+                 "GB/s": copy_bw / 1e9})
+    del dst
+
+    # 2. unscale + check on one big gradient: % of copy bandwidth
+    buf = [src]
+    t_ours = measure(lambda: ours.unscale_and_check_(buf, found(), inv))
+    t_ref = measure(lambda: torch_op.unscale_and_check_(buf, found(), inv))
+    label = "1 GiB" if not args.smoke else f"{nbytes >> 10} KiB"
+    rows.append({"case": f"unscale+check {label} fp32", "ours_ms": t_ours * 1e3, "torch_ms": t_ref * 1e3,
+                 "speedup": t_ref / t_ours, "GB/s": 2 * nbytes / t_ours / 1e9, "pct_of_copy": 100 * (2 * nbytes / t_ours) / copy_bw})
+    del src, buf
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        g = grads(gpt2, dtype, device, seed=1)
+        n_bytes = sum(t.numel() for t in g) * g[0].element_size()
+        t_ours = measure(lambda: ours.unscale_and_check_(g, found(), inv))
+        t_ref = measure(lambda: torch_op.unscale_and_check_(g, found(), inv))
+        rows.append({"case": f"unscale+check GPT-2 small {str(dtype)[6:]}", "ours_ms": t_ours * 1e3,
+                     "torch_ms": t_ref * 1e3, "speedup": t_ref / t_ours, "GB/s": 2 * n_bytes / t_ours / 1e9})
+
+    # 3. unscale + clip: ours = one fused pass + the clip multiply; torch = unscale_ + clip_grad_norm_(foreach)
+    g = grads(gpt2, torch.float32, device, seed=2)
+    params = [torch.nn.Parameter(torch.empty_like(t)) for t in g]
+    for p, t in zip(params, g):
+        p.grad = t  # shares storage: torch's recipe and ours see the same gradients
+
+    def ours_clip() -> None:
+        norm_sq = torch.zeros((), device=dev)
+        ours.unscale_check_norm_(g, found(), inv, norm_sq)
+        coef = torch.clamp(1e9 / (norm_sq.sqrt() + 1e-6), max=1.0)  # max_norm high: the data stays the same
+        torch._foreach_mul_(g, coef)
+
+    def torch_clip() -> None:
+        torch_op.unscale_and_check_(g, found(), inv)
+        torch.nn.utils.clip_grad_norm_(params, 1e9, foreach=True)
+
+    t_ours, t_ref = measure(ours_clip), measure(torch_clip)
+    rows.append({"case": "unscale+clip GPT-2 small fp32", "ours_ms": t_ours * 1e3, "torch_ms": t_ref * 1e3,
+                 "speedup": t_ref / t_ours})
+
+    # 4. read-only check (fused optimizers) against torch's dummy unscale
+    t_ours = measure(lambda: ours.check_(g, found()))
+    t_ref = measure(lambda: torch_op.unscale_and_check_(g, found(), one))
+    n_bytes = sum(t.numel() for t in g) * 4
+    rows.append({"case": "read-only check GPT-2 small fp32", "ours_ms": t_ours * 1e3, "torch_ms": t_ref * 1e3,
+                 "speedup": t_ref / t_ours, "GB/s": n_bytes / t_ours / 1e9})
+
+    # 5. host time per call with many small tensors
+    s = grads(small, torch.float32, device, seed=3)
+    calls = 3 if args.smoke else 200
+    h_ours = host_time(lambda: ours.unscale_and_check_(s, found(), inv), device, calls)
+    h_ref = host_time(lambda: torch_op.unscale_and_check_(s, found(), inv), device, calls)
+    rows.append({"case": f"host time, {len(s)} small tensors", "ours_ms": h_ours * 1e3, "torch_ms": h_ref * 1e3,
+                 "speedup": h_ref / h_ours, "ours_us": h_ours * 1e6})
+
+    header = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}), Triton interpreter",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "smoke": args.smoke,
+    }
+    print(f"# {header['device']} | torch {header['torch']} | triton {header['triton']} | {header['date']}")
+    print(f"{'case':<36} {'ours ms':>9} {'torch ms':>9} {'speedup':>8} {'GB/s':>8} {'% copy':>7}")
+    for r in rows:
+        def cell(key: str, fmt: str) -> str:
+            width = int(fmt.split(".")[0])
+            return format(r[key], fmt) if key in r else "-".rjust(width)
+
+        print(f"{r['case']:<36} {cell('ours_ms', '9.3f')} {cell('torch_ms', '9.3f')} {cell('speedup', '8.2f')} "
+              f"{cell('GB/s', '8.0f')} {cell('pct_of_copy', '7.1f')}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({**header, "rows": rows}, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Triton gradient kernels: one-pass unscale + inf/NaN check (+ sum of squares), and a
+read-only check, each one launch per (device, dtype) group however many tensors.
+
+Importing this plugin does not import Triton; the first kernel call does. The CUDA
+backend (and any backend on a device Triton supports) picks it automatically when
+Triton is installed; ``AMP_BACKENDS_KERNEL=triton`` forces it (on CPU tensors only under
+``TRITON_INTERPRET=1``), ``AMP_BACKENDS_KERNEL=torch`` turns it off.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from amp_backends import Kernel, hookimpl
+from amp_backends.kernels import TORCH_KERNEL
+
+#: Device types Triton compiles for.
+TRITON_DEVICE_TYPES = ("cuda", "xpu")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonKernel(Kernel):
+    """Fused gradient ops written in Triton (see ``_kernels.py`` for the launch layout)."""
+
+    name = "triton"
+    priority = 10
+
+    def __init__(self) -> None:
+        self._impl: Any = None
+
+    def _installed(self) -> bool:
+        return importlib.util.find_spec("triton") is not None
+
+    def unavailable_reason(self, device_type: str) -> str | None:
+        if not self._installed():
+            return "Triton is not installed (pip install 'amp-backends[triton]')"
+        if device_type == "cpu" and not _interpreting():
+            return "Triton runs on CPU tensors only in its interpreter: set TRITON_INTERPRET=1 before starting Python"
+        if device_type not in TRITON_DEVICE_TYPES and device_type != "cpu":
+            return f"Triton does not compile for device type {device_type!r}"
+        return None
+
+    def supports(self, device_type: str) -> bool:
+        return self.unavailable_reason(device_type) is None
+
+    def auto_select(self, device_type: str) -> bool:
+        # The interpreter is for testing: never chosen automatically for CPU tensors.
+        return device_type in TRITON_DEVICE_TYPES and self._installed()
+
+    @property
+    def impl(self) -> Any:
+        if self._impl is None:
+            from . import _kernels
+
+            self._impl = _kernels
+        return self._impl
+
+    def unscale_and_check_(
+        self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+    ) -> None:
+        self.impl.run(grads, found_inf, inv_scale=inv_scale, write=True, norm_sq=None)
+
+    def check_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
+        self.impl.run(grads, found_inf, inv_scale=None, write=False, norm_sq=None)
+
+    def unscale_check_norm_(
+        self,
+        grads: Sequence[torch.Tensor],
+        found_inf: torch.Tensor,
+        inv_scale: torch.Tensor,
+        norm_sq: torch.Tensor,
+    ) -> None:
+        self.impl.run(grads, found_inf, inv_scale=inv_scale, write=True, norm_sq=norm_sq)
+
+    def check_norm_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, norm_sq: torch.Tensor) -> None:
+        self.impl.run(grads, found_inf, inv_scale=None, write=False, norm_sq=norm_sq)
+
+
+@hookimpl
+def amp_backends_register_kernels(register) -> None:  # type: ignore[no-untyped-def]
+    register(TritonKernel())
+
+
+__all__ = ["TritonKernel", "TORCH_KERNEL"]

@@ -1,0 +1,247 @@
+"""Triton kernels against torch's reference: on CUDA where present, else under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
+
+pytest.importorskip("triton", reason="the triton extra is not installed")
+
+import amp_backends  # noqa: E402
+from amp_backends_plugins.triton import TritonKernel, _kernels  # noqa: E402
+
+from conftest import run_json  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+B = _kernels.BLOCK
+KERNEL = TritonKernel()
+
+
+def _tensors(dtype, seed=0):
+    """Sizes off the block size, one element, empty, transposed (dense) and sliced (not dense)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        # random, never zero, spread over a wide range
+        t = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-8, 8, shape, generator=g).float())
+        return t.to(dtype).to(DEVICE)
+
+    return [
+        rnd(B - 1),
+        rnd(1),
+        rnd(B + 1),
+        torch.empty(0, dtype=dtype, device=DEVICE),
+        rnd(3 * B + 7),
+        rnd(37, 29).t(),  # transposed: dense, in place
+        rnd(40, 50)[3:31:2, 5:45:3],  # sliced: not dense
+        rnd(2, 3, 5).permute(2, 0, 1),
+    ]
+
+
+def _reference(tensors, inv):
+    ref = [t.clone() for t in tensors]
+    found = torch.zeros((), device=DEVICE)
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, found, torch.tensor(inv, device=DEVICE))
+    return ref, found
+
+
+def _same(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inv", [0.5, 1.0 / 65536, 1.0, 3.0])
+def test_unscale_matches_torch_bitwise(dtype, inv):
+    tensors = _tensors(dtype, seed=int(inv * 1000) % 97)
+    ref, ref_found = _reference(tensors, inv)
+    found = torch.zeros((), device=DEVICE)
+    KERNEL.unscale_and_check_(tensors, found, torch.tensor(inv, device=DEVICE))
+    assert found.item() == ref_found.item() == 0.0
+    for a, b in zip(tensors, ref):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_every_non_finite_position_is_found(dtype, value):
+    base = _tensors(dtype, seed=5)
+    for i, t in enumerate(base):
+        if t.numel() == 0:
+            continue
+        for pos in sorted({0, t.numel() - 1, (7 * i + 3) % t.numel()}):
+            tensors = _tensors(dtype, seed=5)  # fresh, with the same layouts (clone() would densify slices)
+            target = tensors[i]
+            target[tuple(int(k) for k in torch.unravel_index(torch.tensor(pos), target.shape))] = value
+            ref, ref_found = _reference(tensors, 0.25)
+            found = torch.zeros((), device=DEVICE)
+            KERNEL.unscale_and_check_(tensors, found, torch.tensor(0.25, device=DEVICE))
+            assert found.item() == 1.0 == ref_found.item(), (i, pos)
+            for a, b in zip(tensors, ref):
+                _same(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the interpreter's numpy
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_values_near_the_float16_maximum(dtype):
+    top = 65504.0
+    values = torch.tensor([top, -top, top / 2, 6.1e-5, 5.96e-8, -5.96e-8], dtype=torch.float32)
+    for inv in (1.0, 0.5, 2.0):  # 2.0 overflows on output, which torch does not count as found
+        tensors = [values.to(dtype).to(DEVICE)]
+        ref, ref_found = _reference(tensors, inv)
+        found = torch.zeros((), device=DEVICE)
+        KERNEL.unscale_and_check_(tensors, found, torch.tensor(inv, device=DEVICE))
+        assert found.item() == ref_found.item()
+        _same(tensors[0], ref[0])
+
+
+class _CountLaunches:
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_many_tensors_of_mixed_sizes_take_one_launch(monkeypatch):
+    counter = _CountLaunches(_kernels._grad_kernel)
+    monkeypatch.setattr(_kernels, "_grad_kernel", counter)
+    g = torch.Generator().manual_seed(3)
+    sizes = torch.randint(1, 3 * B, (300,), generator=g).tolist()
+    tensors = [torch.randn(n, generator=g).to(DEVICE) for n in sizes]
+    tensors[123][min(5, sizes[123] - 1)] = math.nan
+    ref, ref_found = _reference(tensors, 0.125)
+    found = torch.zeros((), device=DEVICE)
+    KERNEL.unscale_and_check_(tensors, found, torch.tensor(0.125, device=DEVICE))
+    assert counter.launches == 1
+    assert found.item() == ref_found.item() == 1.0
+    for a, b in zip(tensors, ref):
+        _same(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_norm_matches_float64(dtype):
+    tensors = _tensors(dtype, seed=11)
+    expected_values = [(t.double() * 0.5) for t in tensors]
+    expected = torch.linalg.vector_norm(torch.cat([v.flatten() for v in expected_values]))
+    ref, _ = _reference(tensors, 0.5)
+    norm_sq = torch.zeros((), device=DEVICE)
+    found = torch.zeros((), device=DEVICE)
+    KERNEL.unscale_check_norm_(tensors, found, torch.tensor(0.5, device=DEVICE), norm_sq)
+    assert found.item() == 0.0
+    for a, b in zip(tensors, ref):
+        _same(a, b)
+    # inv=0.5 is exact, so the only error is fp32 summation over ~3000 elements
+    torch.testing.assert_close(norm_sq.sqrt().double().cpu(), expected.cpu(), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_read_only_check_and_norm_write_nothing(dtype):
+    tensors = _tensors(dtype, seed=13)
+    bits = [t.clone() for t in tensors]
+    found = torch.zeros((), device=DEVICE)
+    KERNEL.check_(tensors, found)
+    assert found.item() == 0.0
+    norm_sq = torch.zeros((), device=DEVICE)
+    KERNEL.check_norm_(tensors, found, norm_sq)
+    expected = torch.linalg.vector_norm(torch.cat([t.double().flatten() for t in tensors]))
+    torch.testing.assert_close(norm_sq.sqrt().double().cpu(), expected.cpu(), rtol=1e-4, atol=0)
+    for t, b in zip(tensors, bits):
+        assert torch.equal(t, b)
+    assert not _kernels.is_dense(tensors[6]) and _kernels.is_dense(tensors[5])
+    for i in (0, 5, 6):  # dense, transposed and sliced (the torch fallback) each found read-only
+        probe = _tensors(dtype, seed=13)
+        probe[i][(0,) * probe[i].dim()] = math.nan
+        snapshot = [p.clone() for p in probe]
+        found = torch.zeros((), device=DEVICE)
+        KERNEL.check_(probe, found)
+        assert found.item() == 1.0
+        for p, s in zip(probe, snapshot):
+            torch.testing.assert_close(p, s, rtol=0, atol=0, equal_nan=True)
+
+
+def _train(kernel, steps=8, fused=False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3)).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    be = copy.copy(amp_backends.get(DEVICE))
+    if kernel is not None:
+        be._kernel = kernel
+    scaler = amp_backends.GradScaler(be, init_scale=2.0**12, growth_interval=3)
+    x = torch.randn(16, 24, device=DEVICE)
+    norms = []
+    for step in range(steps):
+        with torch.autocast(DEVICE, dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if step == 4:
+            model[0].weight.grad[3, 7] = math.inf
+        norms.append(scaler.clip_grad_norm_(opt, 1.0))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return [p.detach().cpu() for p in model.parameters()], scaler.stats, norms
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_scaler_on_triton_kernel_matches_torch_kernel(fused):
+    params, stats, norms = _train(KERNEL, fused=fused)
+    ref_params, ref_stats, ref_norms = _train(amp_backends.TorchKernel(), fused=fused)
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert stats.skipped == ref_stats.skipped == 1 and stats.scale == ref_stats.scale
+    for a, b in zip(norms, ref_norms):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0, equal_nan=True)
+
+
+def test_kernel_selection_by_environment():
+    code = """
+        import json, amp_backends
+        try:
+            kernel = amp_backends.get("cpu").kernel.name
+        except amp_backends.BackendUnavailableError as e:
+            kernel = "error: " + str(e)
+        print(json.dumps(kernel))
+    """
+    assert run_json(code, env={"TRITON_INTERPRET": "1", "AMP_BACKENDS_KERNEL": "triton"}) == "triton"
+    assert run_json(code, env={"TRITON_INTERPRET": "1"}) == "torch", "never chosen for CPU automatically"
+    assert run_json(code, env={"TRITON_INTERPRET": "1", "AMP_BACKENDS_KERNEL": "torch"}) == "torch"
+    refused = run_json(code, env={"TRITON_INTERPRET": "0", "AMP_BACKENDS_KERNEL": "triton"})
+    assert refused.startswith("error:") and "TRITON_INTERPRET=1" in refused
+    unknown = run_json(code, env={"AMP_BACKENDS_KERNEL": "cudnn"})
+    assert "names no registered kernel" in unknown and "torch, triton" in unknown
+    cuda_kernel = run_json(
+        "import json, amp_backends; reg = amp_backends.registry.default_registry(); "
+        "cuda = [b for b, _ in reg.backends() if b.name == 'cuda'][0]; print(json.dumps(cuda.kernel.name))"
+    )
+    assert cuda_kernel == "triton", "the CUDA backend uses Triton whenever it is installed"
+
+
+def test_benchmark_script_runs(tmp_path):
+    """bench/unscale.py end to end (tiny sizes under the interpreter; the full run needs a GPU)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "unscale.py"
+    out = tmp_path / "u.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    args = [sys.executable, str(script), "--json", str(out)] + ([] if CUDA else ["--smoke"])
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    cases = [r["case"] for r in data["rows"]]
+    assert any(c.startswith("unscale+clip") for c in cases) and any(c.startswith("read-only") for c in cases)
+    assert all(r["ours_ms"] > 0 for r in data["rows"])
+    assert "speedup" in proc.stdout and data["triton"]
