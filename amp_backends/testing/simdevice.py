@@ -1,0 +1,348 @@
+"""A simulated accelerator on PyTorch's PrivateUse1 key, in pure Python, for testing.
+
+Every tensor on the simulated device is a plain ``torch.Tensor`` without data whose
+storage maps to a CPU tensor holding its values (:func:`raw_of`); a boxed fallback on the PrivateUse1 key runs each ATen op on those CPU tensors
+and wraps the results. An autocast policy registered from Python on the
+``AutocastPrivateUse1`` key follows CUDA's lists: matmul-like ops run in the autocast
+dtype, losses, reductions and numerically sensitive ops in float32, the rest unchanged.
+
+    from amp_backends.testing.simdevice import install
+    install("mlu")                  # once per process: PrivateUse1 can be renamed once
+    x = torch.randn(4, 4).to("mlu")
+
+It is a test double for a device nobody here has: it checks that code is device-generic,
+not how fast or how exactly a real device computes.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+__all__ = ["raw_of", "install", "installed_name", "LOWER_PRECISION_OPS", "FP32_OPS", "PROMOTE_OPS"]
+
+#: Ops that run in the autocast dtype (CUDA's lower_precision_fp list, at ATen level).
+LOWER_PRECISION_OPS = (
+    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
+    "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "scaled_dot_product_attention",
+)
+#: Ops that run in float32 under autocast (CUDA's fp32 list).
+FP32_OPS = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm",
+    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum", "cross_entropy_loss",
+)
+#: Ops that run in the widest floating dtype among their inputs.
+PROMOTE_OPS = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "index_put", "scatter_add", "tensordot", "cat", "stack")
+
+_STATE: dict[str, Any] = {"name": None, "libs": []}
+
+
+# storage address of a wrapper -> (CPU tensor with its data, the storage kept alive)
+_RAWS: dict[int, tuple[torch.Tensor, Any]] = {}
+_SWEEP_EVERY = 512
+_since_sweep = 0
+
+
+def _sweep() -> None:
+    """Forget CPU data whose wrapper storage nothing but this registry holds any more."""
+    use_count = torch._C._storage_Use_Count
+    for key in [k for k in _RAWS if use_count(k) <= 1]:
+        del _RAWS[key]
+
+
+def _wrap(raw: torch.Tensor) -> torch.Tensor:
+    global _since_sweep
+    out = torch._C._acc.create_empty_tensor(list(raw.shape), raw.dtype)
+    storage = out.untyped_storage()
+    _RAWS[storage._cdata] = (raw, storage)
+    _since_sweep += 1
+    if _since_sweep >= _SWEEP_EVERY:
+        _since_sweep = 0
+        _sweep()
+    return out
+
+
+def raw_of(t: torch.Tensor) -> torch.Tensor:
+    """The CPU tensor holding the data of ``t``, a tensor on the simulated device.
+
+    Keyed by the wrapper's storage, so autograd's shallow copies (saved tensors,
+    ``.data``) find it too; writes to it are writes to the device tensor.
+    """
+    entry = _RAWS.get(t.untyped_storage()._cdata)
+    if entry is None:
+        raise RuntimeError(f"tensor on {t.device} has no simulated data: it was not made by the simulated device")
+    return entry[0]
+
+
+def _unwrap(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.device.type == _STATE["name"]:
+        return raw_of(x)
+    if isinstance(x, torch.device) and x.type == _STATE["name"]:
+        return torch.device("cpu")
+    if isinstance(x, str) and x.split(":")[0] == _STATE["name"]:
+        return "cpu"
+    return x
+
+
+def _targets_device(kwargs: dict[str, Any]) -> bool | None:
+    device = kwargs.get("device")
+    if device is None:
+        return None
+    return torch.device(device).type == _STATE["name"]
+
+
+def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``op`` on the CPU tensors behind the wrappers and wrap what comes back."""
+    by_raw: dict[int, torch.Tensor] = {}
+
+    def unwrap(x: Any) -> Any:
+        raw = _unwrap(x)
+        if isinstance(x, torch.Tensor):
+            by_raw[id(raw)] = x  # an op that returns an input returns the caller's tensor
+        return raw
+
+    to_device = _targets_device(kwargs)
+    raw_args, raw_kwargs = tree_map(unwrap, (args, kwargs))
+    result = op(*raw_args, **raw_kwargs)
+    wrap_new = to_device if to_device is not None else True
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if id(x) in by_raw:  # an in-place op (or a copy into a CPU tensor) returned its input
+                return by_raw[id(x)]
+            return _wrap(x) if wrap_new else x
+        return x
+
+    return tree_map(wrap, result)
+
+
+def _kernel_for(qualified: str) -> Any:
+    name, _, overload = qualified.partition(".")
+    op = getattr(getattr(torch.ops.aten, name), overload or "default")
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return _fallback(op, *args, **kwargs)
+
+    return kernel
+
+
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    _unwrap(dst).copy_(_unwrap(src))
+    return dst
+
+
+def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    source = _unwrap(src)
+    _unwrap(dst).resize_(source.shape).copy_(source)
+    return dst
+
+
+# Explicit kernels of our own, and exact shallow copies: C++ makes those share the
+# wrapper's storage, so :func:`raw_of` finds their data, and Parameter() needs a tensor
+# with no Python object yet.
+_NOT_INTERCEPTED = ("_copy_from", "_copy_from_and_resize", "detach", "alias", "lift_fresh")
+
+
+def _intercepted_ops() -> list[str]:
+    """ATen overloads that need an explicit PrivateUse1 kernel to reach :func:`_fallback`.
+
+    CompositeExplicitAutograd(NonFunctional) kernels outrank a backend fallback: they
+    would build views and outputs in C++ (without a ``raw``) or resize an output
+    wrapper behind our back. Views with backend-only kernels (``view``, ``as_strided``)
+    are included too. CompositeImplicit ops decompose into these and need nothing.
+    """
+    names = []
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::") or has(qualified, "CompositeImplicitAutograd"):
+            continue
+        name, _, overload = qualified[len("aten::"):].partition(".")
+        try:
+            op = getattr(getattr(torch.ops.aten, name), overload or "default")
+        except AttributeError:
+            continue
+        returns = op._schema.returns
+        is_view = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        composite = has(qualified, "CompositeExplicitAutograd") or has(
+            qualified, "CompositeExplicitAutogradNonFunctional"
+        )
+        if (is_view or composite) and name not in _NOT_INTERCEPTED:
+            names.append(qualified[len("aten::"):])
+    return names
+
+
+def _kernel_for(qualified: str) -> Any:
+    name, _, overload = qualified.partition(".")
+    op = getattr(getattr(torch.ops.aten, name), overload or "default")
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return _fallback(op, *args, **kwargs)
+
+    return kernel
+
+
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    _unwrap(dst).copy_(_unwrap(src))
+    return dst
+
+
+def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    source = _unwrap(src)
+    _unwrap(dst).resize_(source.shape).copy_(source)
+    return dst
+
+
+def _view_ops() -> list[str]:
+    """Every ATen overload that returns an alias of an input (views, detach, alias).
+
+    Such ops often have CompositeExplicitAutograd kernels, which outrank a backend
+    fallback and would build the result in C++ without a ``raw``; an explicit
+    PrivateUse1 kernel sends them through :func:`_fallback` too.
+    """
+    names = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        name, _, overload = qualified[len("aten::"):].partition(".")
+        packet = getattr(torch.ops.aten, name, None)
+        try:
+            op = getattr(packet, overload or "default")
+        except AttributeError:
+            continue
+        if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"):
+            continue  # decomposes into other ops (to, reshape, contiguous...): nothing to intercept
+        returns = op._schema.returns
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            names.append(qualified[len("aten::"):])
+    return names
+
+
+def _autocast_kernel(cast: str, op_name: str) -> Any:
+    key = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        device = _STATE["name"]
+        low = torch.get_autocast_dtype(device)
+        floats = [
+            x.dtype for x in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == device
+        ]
+        if cast == "lower":
+            target = low
+        elif cast == "fp32":
+            target = torch.float32
+        else:
+            target = torch.float32 if torch.float32 in floats else (floats[0] if floats else None)
+
+        def convert(x: Any) -> Any:
+            if (
+                target is not None
+                and isinstance(x, torch.Tensor)
+                and x.is_floating_point()
+                and x.device.type == device
+                and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+                and x.dtype != target
+            ):
+                return x.to(target)
+            return x
+
+        args, kwargs = tree_map(convert, (args, kwargs))
+        with torch._C._ExcludeDispatchKeyGuard(key):
+            return _OVERLOADS[op_name](*args, **kwargs)
+
+    return kernel
+
+
+_OVERLOADS: dict[str, Any] = {}
+
+
+def _register_autocast(lib: torch.library.Library) -> None:
+    for cast, names in (("lower", LOWER_PRECISION_OPS), ("fp32", FP32_OPS), ("promote", PROMOTE_OPS)):
+        for name in names:
+            packet = getattr(torch.ops.aten, name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                qualified = f"{name}.{overload}" if overload != "default" else name
+                op = getattr(packet, overload)
+                if op._schema.returns and all(r.alias_info is None for r in op._schema.returns):
+                    _OVERLOADS[qualified] = op
+                    lib.impl(qualified, _autocast_kernel(cast, qualified), "AutocastPrivateUse1")
+
+
+class _DeviceModule(types.ModuleType):
+    """``torch.<name>``: the device module PyTorch asks for availability and AMP dtypes."""
+
+    def __init__(self, name: str, bf16: bool, count: int) -> None:
+        super().__init__(f"torch.{name}")
+        self._bf16 = bf16
+        self._count = count
+
+    def is_available(self) -> bool:
+        return self._count > 0
+
+    def device_count(self) -> int:
+        return self._count
+
+    def current_device(self) -> int:
+        return 0
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed_all(self, seed: int) -> None:
+        """Random ops run on the CPU tensors underneath: torch.manual_seed already seeded them."""
+
+    def synchronize(self, device: Any = None) -> None:
+        return None
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16] if self._bf16 else [torch.float16]
+
+    def is_bf16_supported(self) -> bool:
+        return self._bf16
+
+
+def install(name: str = "sim", bf16: bool = True, device_count: int = 1) -> types.ModuleType:
+    """Register the simulated device as ``name`` (once per process) and return its device module."""
+    if _STATE["name"] is not None:
+        if _STATE["name"] != name:
+            raise RuntimeError(
+                f"the simulated device is already installed as {_STATE['name']!r}; PrivateUse1 can be "
+                "renamed once per process, so run tests for another name in a subprocess"
+            )
+        return getattr(torch, name)
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    module = _DeviceModule(name, bf16, device_count)
+    _setup_privateuseone_for_python_backend(name, backend_module=module)
+    _STATE["name"] = name
+    fallback = torch.library.Library("_", "IMPL")
+    fallback.fallback(_fallback, "PrivateUse1")
+    fallback.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+    aten = torch.library.Library("aten", "IMPL")
+    aten.impl("_copy_from", _copy_from, "PrivateUse1")
+    aten.impl("_copy_from_and_resize", _copy_from_and_resize, "PrivateUse1")
+    for name in _intercepted_ops():
+        aten.impl(name, _kernel_for(name), "PrivateUse1")
+    _register_autocast(aten)
+    _STATE["libs"] = [fallback, aten]
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    return module
+
+
+def installed_name() -> str | None:
+    """The name the simulated device was installed under in this process, if any."""
+    return _STATE["name"]

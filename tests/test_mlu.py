@@ -1,0 +1,183 @@
+"""The mlu plugin on the simulated PrivateUse1 "mlu" device and a simulated torch_mlu.
+
+No machine here has an MLU; these run the real plugin code against a faithful simulation
+(amp_backends.testing). Each test runs in its own process: PrivateUse1 is renamed once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from amp_backends.testing import sim_packages_path
+
+from conftest import run_json
+
+SIM = [sim_packages_path()]
+
+SAME_LOOP = """
+import json, math, warnings, torch, amp_backends
+warnings.simplefilter("error")  # no deprecation warning may come from our side
+be = amp_backends.get("mlu")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(be.device())
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+x = torch.randn(128, 8).to(be.device())
+y = (x.cpu()[:, :2].sum(1, keepdim=True)).to(be.device())
+scaler = be.grad_scaler()
+losses, dtypes, skipped = [], set(), []
+for step in range(40):
+    opt.zero_grad()
+    with be.autocast():
+        out = model(x)
+        dtypes.add(str(out.dtype))
+        loss = torch.nn.functional.mse_loss(out, y)
+    scaler.scale(loss).backward()
+    if step == 10:
+        from amp_backends.testing.simdevice import raw_of
+        raw_of(model[0].weight.grad)[0, 0] = math.inf
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    after = [p.detach().cpu() for p in model.parameters()]
+    if scaler.last_step_skipped:
+        skipped.append((step, all(torch.equal(a, b) for a, b in zip(before, after))))
+    losses.append(loss.item())
+print(json.dumps({"device": str(next(model.parameters()).device), "dtypes": sorted(dtypes),
+                  "first": losses[0], "last": losses[-1], "skipped": skipped, "scale": scaler.get_scale(),
+                  "loss_dtype": str(loss.dtype), "legacy": be.uses_legacy_autocast(), "dist": be.dist_backend,
+                  "autocast_type": type(be.autocast()).__module__ + "." + type(be.autocast()).__qualname__}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["new", "legacy"])
+def test_same_loop_trains_on_simulated_mlu(mode):
+    out = run_json(SAME_LOOP, SIM, {"AMP_SIM_MLU": mode})
+    assert out["device"] == "mlu:0" and out["dist"] == "cncl"
+    assert out["dtypes"] == ["torch.float16"] and out["loss_dtype"] == "torch.float32"
+    assert out["last"] < 0.1 * out["first"], "loss falls under fp16 autocast with the scaler"
+    assert [10, True] in out["skipped"], "the step with injected inf is skipped, parameters unchanged"
+    assert out["legacy"] is (mode == "legacy")
+    if mode == "legacy":
+        assert out["autocast_type"] == "torch_mlu._LegacyAutocast"
+    else:
+        assert out["autocast_type"] == "torch.amp.autocast_mode.autocast"
+
+
+def test_autocast_policy_and_dtypes_on_simulated_mlu():
+    out = run_json(
+        """
+        import json, torch, torch.nn.functional as F, amp_backends
+        be = amp_backends.get("mlu")
+        x = torch.randn(4, 8).to("mlu"); w = torch.randn(8, 8).to("mlu")
+        res = {}
+        for dtype in be.supported_dtypes():
+            with be.autocast(dtype):
+                mm = x @ w
+                res[str(dtype)] = [str(mm.dtype), str(F.linear(x, w).dtype), str(F.softmax(mm, -1).dtype),
+                                   str(F.mse_loss(mm, x).dtype), str(F.cross_entropy(mm, torch.zeros(4, dtype=torch.long).to("mlu")).dtype)]
+                with be.autocast(enabled=False):
+                    res[str(dtype)].append(str((x @ w).dtype))
+        try:
+            be.autocast(torch.float64)
+        except amp_backends.UnsupportedDtypeError as e:
+            res["error"] = str(e)
+        res["supported"] = [str(d) for d in be.supported_dtypes()]
+        print(json.dumps(res))
+        """,
+        SIM,
+    )
+    assert out["supported"] == ["torch.float16", "torch.bfloat16"]
+    for low in ("torch.float16", "torch.bfloat16"):
+        assert out[low] == [low, low, "torch.float32", "torch.float32", "torch.float32", "torch.float32"]
+    assert "does not support autocast dtype float64" in out["error"]
+
+
+def test_bf16_only_where_the_chip_supports_it():
+    out = run_json(
+        """
+        import json, torch, amp_backends
+        be = amp_backends.get("mlu")
+        try:
+            be.autocast(torch.bfloat16)
+            err = ""
+        except amp_backends.UnsupportedDtypeError as e:
+            err = str(e)
+        print(json.dumps({"supported": [str(d) for d in be.supported_dtypes()], "err": err}))
+        """,
+        SIM,
+        {"AMP_SIM_MLU_BF16": "0"},
+    )
+    assert out["supported"] == ["torch.float16"] and "supported: float16" in out["err"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "paths", "reason"),
+    [
+        ("new", [], "torch_mlu is not installed"),
+        ("broken", SIM, "torch_mlu is installed but failed to import: ImportError: libcnnl.so"),
+        ("nodevice", SIM, "no MLU device visible"),
+    ],
+)
+def test_each_unavailable_reason(mode, paths, reason):
+    out = run_json(
+        """
+        import json, amp_backends
+        try:
+            amp_backends.get("mlu"); err = ""
+        except amp_backends.BackendUnavailableError as e:
+            err = str(e)
+        print(json.dumps({"err": err, "available": amp_backends.available(), "best": amp_backends.get().name}))
+        """,
+        paths,
+        {"AMP_SIM_MLU": mode},
+    )
+    assert reason in out["err"] and "mlu" not in out["available"] and out["best"] == "cpu"
+
+
+def test_torch_mlu_imported_only_when_mlu_is_asked_for():
+    out = run_json(
+        """
+        import json, sys, amp_backends
+        amp_backends.get("cpu"); amp_backends.names()
+        before = "torch_mlu" in sys.modules
+        amp_backends.get("mlu")
+        print(json.dumps([before, "torch_mlu" in sys.modules]))
+        """,
+        SIM,
+    )
+    assert out == [False, True]
+
+
+def test_auto_picks_the_simulated_mlu_over_cpu():
+    out = run_json("import json, amp_backends; print(json.dumps(amp_backends.get().name))", SIM)
+    assert out == "mlu"
+
+
+def test_torch_grad_scaler_on_simulated_device_agrees_with_ours():
+    """Our scaler and torch.amp.GradScaler('mlu') give the same trajectory on the simulated device."""
+    out = run_json(
+        """
+        import json, math, torch, amp_backends
+        import torch_mlu  # as users do on a Cambricon machine
+        from amp_backends.testing.simdevice import raw_of
+        def run(make):
+            torch.manual_seed(0)
+            m = torch.nn.Linear(6, 2).to("mlu")
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            s = make(); scales = []
+            x = torch.randn(16, 6).to("mlu")
+            for i in range(6):
+                with torch.autocast("mlu", dtype=torch.float16):
+                    loss = m(x).float().pow(2).mean()
+                s.scale(loss).backward()
+                if i == 2:
+                    raw_of(m.bias.grad)[1] = math.nan
+                s.step(opt); s.update(); opt.zero_grad(); scales.append(s.get_scale())
+            return [p.detach().cpu().tolist() for p in m.parameters()], scales
+        ours = run(lambda: amp_backends.GradScaler("mlu", growth_interval=2))
+        ref = run(lambda: torch.amp.GradScaler("mlu", growth_interval=2))
+        print(json.dumps({"same": ours == ref, "scales": ours[1]}))
+        """,
+        SIM,
+    )
+    assert out["same"] and out["scales"][2] < out["scales"][1]
