@@ -13,6 +13,27 @@ def _parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="list backends: available or why not, dtypes, kernel, plugin")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.add_argument("-v", "--verbose", action="store_true", help="also list every plugin")
+
+    demo = sub.add_parser("demo", help="train a small CNN on 8x8 digits with AMP on the best device")
+    demo.add_argument("--backend", help="backend name (default: best available, or $AMP_BACKEND)")
+    demo.add_argument("--dtype", help="autocast dtype, e.g. float16 or bfloat16 (default: the backend's)")
+    demo.add_argument("--epochs", type=int, default=15)
+    demo.add_argument("--batch-size", type=int, default=64)
+    demo.add_argument("--lr", type=float, default=2e-3)
+    demo.add_argument("--no-amp", action="store_true", help="train in fp32 (for comparison)")
+    demo.add_argument("--compile", action="store_true", help="torch.compile the model")
+    demo.add_argument("--checkpoint", metavar="PATH", help="save model, optimizer and scaler after every epoch")
+    demo.add_argument("--resume", metavar="PATH", help="continue from a checkpoint")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", action="store_true", help="print a JSON summary (no progress bar)")
+
+    bench = sub.add_parser("bench", help="FP32 against AMP step time and peak memory, per model")
+    bench.add_argument("--backend", help="backend name (default: best available)")
+    bench.add_argument("--rounds", type=int, default=20, help="timed steps per configuration")
+    bench.add_argument("--warmup", type=int, default=3)
+    bench.add_argument("--scale", type=float, default=1.0, help="model and batch size factor (0.25 for a quick run)")
+    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--plot", metavar="PNG", help="also draw the table (needs matplotlib)")
     return parser
 
 
@@ -22,6 +43,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import info
 
         return info.main(as_json=args.json, verbose=args.verbose)
+    if args.command == "demo":
+        from .demo import DemoConfig
+        from .demo import main as demo_main
+
+        cfg = DemoConfig(
+            backend=args.backend, dtype=args.dtype, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+            amp=not args.no_amp, compile=args.compile, checkpoint=args.checkpoint, resume=args.resume,
+            seed=args.seed, progress=not args.json,
+        )
+        return demo_main(cfg, as_json=args.json)
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(args.backend, args.rounds, args.warmup, args.scale, args.json, args.plot)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

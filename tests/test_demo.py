@@ -1,0 +1,157 @@
+"""`amp-backends demo` and `amp-backends bench` end to end, and atomic checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from amp_backends import checkpoint
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BACKEND")}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "amp_backends", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full)
+
+
+def test_demo_default_reaches_digit_accuracy():
+    proc = cli("demo", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["backend"] == "cpu" and out["dtype"] == "bfloat16" and out["amp"] is True
+    assert out["test_accuracy"] >= 0.95
+    assert out["train_loss"][-1] < out["train_loss"][0] / 10
+    assert out["samples_per_second"] > 0 and out["peak_memory_bytes"] > 0
+    assert out["scaler"]["enabled"] is False and out["scaler"]["steps"] == 15 * 23
+
+
+def test_demo_fp16_uses_the_scaler_and_shows_progress():
+    proc = cli("demo", "--dtype", "float16", "--epochs", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "epoch=2/2" in proc.stderr and "loss=" in proc.stderr and "scale=" in proc.stderr and "skipped=" in proc.stderr
+    assert "test accuracy" in proc.stdout and "AMP float16" in proc.stdout
+    assert "scaler             enabled: scale" in proc.stdout
+
+
+def test_demo_without_amp():
+    out = json.loads(cli("demo", "--no-amp", "--epochs", "2", "--json").stdout)
+    assert out["amp"] is False and out["dtype"] == "float32" and out["test_accuracy"] > 0.8
+
+
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
+    full, part, resumed = tmp_path / "full.ckpt", tmp_path / "part.ckpt", tmp_path / "resumed.ckpt"
+    a = cli("demo", "--epochs", "3", "--dtype", "float16", "--checkpoint", str(full), "--json")
+    b = cli("demo", "--epochs", "1", "--dtype", "float16", "--checkpoint", str(part), "--json")
+    c = cli("demo", "--epochs", "3", "--dtype", "float16", "--resume", str(part), "--checkpoint", str(resumed), "--json")
+    for proc in (a, b, c):
+        assert proc.returncode == 0, proc.stderr
+    x, y = json.loads(a.stdout), json.loads(c.stdout)
+    assert y["resumed_from_epoch"] == 1
+    assert x["train_loss"] == y["train_loss"] and x["test_accuracy"] == y["test_accuracy"]
+    s1 = checkpoint.load(full, "demo-digits-cnn")
+    s2 = checkpoint.load(resumed, "demo-digits-cnn")
+    for key in s1["model"]:
+        assert torch.equal(s1["model"][key], s2["model"][key]), key
+    assert s1["scaler"] == s2["scaler"] and s1["epoch"] == s2["epoch"] == 3
+    assert not list(tmp_path.glob(".*.tmp")), "no temporary files left behind"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "nope"], "unknown backend 'nope'"),
+        (["--backend", "cdu"], "Known backends: cpu, cuda"),
+        (["--dtype", "float64"], "does not support autocast dtype float64"),
+        (["--dtype", "fp8x"], "is not a torch dtype"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+    ],
+)
+def test_bad_arguments_get_one_line_errors(args, message):
+    proc = cli("demo", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bad_checkpoints_get_clear_errors(tmp_path):
+    good = tmp_path / "good.ckpt"
+    assert cli("demo", "--epochs", "1", "--checkpoint", str(good), "--json").returncode == 0
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[:2000])
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.ones(3)}, foreign)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    other_kind = tmp_path / "other.ckpt"
+    checkpoint.save(other_kind, {"model": {}}, kind="something-else")
+    cases = [
+        (truncated, [], "is not a readable checkpoint (truncated"),
+        (text, [], "is not a readable checkpoint"),
+        (foreign, [], "is not an amp-backends checkpoint"),
+        (other_kind, [], "is a 'something-else' checkpoint"),
+        (good, ["--dtype", "float16"], "was trained with dtype='torch.bfloat16' (this run: 'torch.float16')"),
+        (good, ["--batch-size", "32"], "batch_size=64 (this run: 32)"),
+        (tmp_path / "missing.ckpt", [], "no such checkpoint file"),
+    ]
+    for path, extra, message in cases:
+        proc = cli("demo", "--epochs", "2", "--resume", str(path), *extra)
+        assert proc.returncode == 2, (path, proc.stdout)
+        assert message in proc.stderr, (message, proc.stderr)
+        assert "Traceback" not in proc.stderr
+
+
+def test_incompatible_model_state_is_reported(tmp_path):
+    bad = tmp_path / "bad.ckpt"
+    good = tmp_path / "good.ckpt"
+    assert cli("demo", "--epochs", "1", "--checkpoint", str(good), "--json").returncode == 0
+    state = checkpoint.load(good, "demo-digits-cnn")
+    state["model"]["0.weight"] = torch.zeros(3, 3)
+    checkpoint.save(bad, {k: v for k, v in state.items() if k not in ("format", "version", "kind")}, kind="demo-digits-cnn")
+    proc = cli("demo", "--epochs", "2", "--resume", str(bad))
+    assert proc.returncode == 2 and "does not fit this model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_checkpoint_save_is_atomic(tmp_path):
+    path = tmp_path / "c.ckpt"
+    checkpoint.save(path, {"x": torch.arange(3)}, kind="t")
+    before = path.read_bytes()
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle this")
+
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        checkpoint.save(path, {"x": Unpicklable()}, kind="t")
+    assert path.read_bytes() == before, "a failed save leaves the old checkpoint whole"
+    assert [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]
+    assert torch.equal(checkpoint.load(path, "t", required=("x",))["x"], torch.arange(3))
+    with pytest.raises(checkpoint.CheckpointError, match="lacks y"):
+        checkpoint.load(path, "t", required=("y",))
+
+
+def test_bench_table_json_and_plot(tmp_path):
+    proc = cli("bench", "--scale", "0.1", "--rounds", "2", "--warmup", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["backend"] == "cpu" and out["torch"] == torch.__version__ and out["date"]
+    pairs = {(r["model"], r["dtype"]) for r in out["rows"]}
+    assert pairs == {(m, d) for m in ("mlp", "cnn", "transformer") for d in ("float16", "bfloat16")}
+    for r in out["rows"]:
+        assert r["fp32_ms"] > 0 and r["amp_ms"] > 0 and r["speedup"] == pytest.approx(r["fp32_ms"] / r["amp_ms"])
+        assert 20 < r["mem_saving_pct"] < 60, "half-size activations, fp32 where the policy keeps it"
+    proc = cli("bench", "--scale", "0.1", "--rounds", "1", "--warmup", "0")
+    assert "| model" in proc.stdout and "speedup" in proc.stdout and "peak-mem saving" in proc.stdout
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    assert cli("bench", "--scale", "0.1", "--rounds", "1", "--warmup", "0", "--plot", str(png)).returncode == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = cli("bench", "--rounds", "0")
+    assert bad.returncode == 2 and "--rounds must be >= 1" in bad.stderr
