@@ -21,6 +21,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl, hookspec
 from .kernels import Kernel, TorchKernel
+from .modules import AutocastModule, autocast_module
 from .registry import available, get, names, plugins, register_plugin, reload
 from .scaler import GradScaler, ScalerStats
 
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmpBackendsError",
+    "AutocastModule",
     "Backend",
     "BackendUnavailableError",
     "DuplicateBackendError",
@@ -40,6 +42,7 @@ __all__ = [
     "UnknownBackendError",
     "UnsupportedDtypeError",
     "__version__",
+    "autocast_module",
     "available",
     "get",
     "hookimpl",

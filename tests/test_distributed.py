@@ -1,0 +1,124 @@
+"""Real multi-process training (2 CPU ranks over Gloo, launched by torchrun), DataParallel's
+thread-local autocast, and torch.compile under the backend's autocast with the scaler."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import amp_backends
+from amp_backends import distributed
+
+HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+
+def torchrun(script: Path, *args: str, cwd: Path = HERE) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMP_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env["AMP_BACKEND"] = "cpu"
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=300,
+    )
+
+
+def run_worker(tmp_path: Path, *args: str) -> list[dict]:
+    proc = torchrun(HERE / "dist_worker.py", "--out", str(tmp_path), *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ddp_inf_on_one_rank_skips_the_same_step_everywhere(tmp_path):
+    ranks = run_worker(tmp_path, "--mode", "ddp")
+    for r in ranks:
+        assert r["world_size"] == 2 and r["dist_backend"] == "gloo" and r["identical_across_ranks"]
+        skipped = [e["step"] for e in r["record"] if e["skipped"]]
+        assert 3 in skipped
+    assert ranks[0]["record"] == ranks[1]["record"], "same skips and the same scale history on both ranks"
+    scales = [e["scale"] for e in ranks[0]["record"]]
+    assert scales[3] == scales[2] / 2, "both ranks backed off at the injected step"
+
+
+def test_sharded_gradients_agree_on_found_inf_through_the_process_group(tmp_path):
+    ranks = run_worker(tmp_path, "--mode", "sharded", "--sync")
+    assert ranks[0]["record"] == ranks[1]["record"]
+    assert ranks[0]["record"][3]["skipped"] and ranks[0]["identical_across_ranks"]
+
+
+def test_without_found_inf_sync_sharded_ranks_diverge(tmp_path):
+    """The negative control: what the process_group option prevents."""
+    ranks = run_worker(tmp_path, "--mode", "sharded")
+    assert ranks[0]["record"][3]["skipped"] is False and ranks[1]["record"][3]["skipped"] is True
+    assert not ranks[0]["identical_across_ranks"]
+
+
+def test_ddp_example_under_torchrun():
+    proc = torchrun(HERE.parent / "examples" / "ddp.py", cwd=HERE.parent / "examples")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"ddp: world_size=2 backend=gloo final_loss=0\.[0-2]\d* ranks_identical=True", proc.stdout), proc.stdout
+
+
+def test_init_process_group_outside_torchrun_says_how_to_launch(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(amp_backends.AmpBackendsError, match="torchrun --nproc_per_node=N"):
+        distributed.init_process_group("cpu")
+
+
+def test_autocast_module_applies_in_worker_threads():
+    """DataParallel runs replicas in threads; autocast entered in the caller does not reach them."""
+    be = amp_backends.get("cpu")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8)
+    wrapped = amp_backends.autocast_module(linear, be, torch.bfloat16)
+    x = torch.randn(4, 8)
+    results: dict[str, torch.dtype] = {}
+
+    def worker(name: str, module: torch.nn.Module) -> None:
+        results[name] = module(x).dtype
+
+    with be.autocast(torch.bfloat16):
+        threads = [threading.Thread(target=worker, args=(n, m)) for n, m in (("plain", linear), ("wrapped", wrapped))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert results == {"plain": torch.float32, "wrapped": torch.bfloat16}
+    assert "dtype=torch.bfloat16" in repr(wrapped)
+    dp = torch.nn.DataParallel(wrapped)  # without GPUs DataParallel calls the module directly
+    assert dp(x).dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_under_autocast_with_the_scaler():
+    be = amp_backends.get("cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = be.grad_scaler(torch.float16)
+    x = torch.randn(64, 16)
+    y = x[:, :1] * 0.5
+    losses = []
+    for step in range(25):
+        opt.zero_grad()
+        with be.autocast(torch.float16):
+            out = compiled(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+        assert out.dtype == torch.float16
+        scaler.scale(loss).backward()
+        if step == 5:
+            model[0].weight.grad[0, 0] = float("nan")
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0] and scaler.stats.skipped == 1
