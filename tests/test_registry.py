@@ -280,3 +280,59 @@ def test_python_dash_m_and_console_script():
     assert exe is not None, "the console script is installed"
     proc = subprocess.run([exe, "info"], capture_output=True, text=True)
     assert proc.returncode == 0 and "backend" in proc.stdout
+
+
+KERNEL_SOURCE = '''
+import torch
+import amp_backends
+
+class Doubling(amp_backends.TorchKernel):
+    """Counts its calls; runs torch's op underneath."""
+    name = "counting"
+    priority = 5
+    calls = 0
+
+    def auto_select(self, device_type):
+        return device_type == "cpu"
+
+    def unscale_and_check_(self, grads, found_inf, inv_scale):
+        type(self).calls += 1
+        super().unscale_and_check_(grads, found_inf, inv_scale)
+
+class Clash(amp_backends.TorchKernel):
+    name = "torch"
+
+@amp_backends.hookimpl
+def amp_backends_register_kernels(register):
+    register(Doubling())
+'''
+
+
+def test_third_party_kernel_through_entry_point_is_selected_and_used(tmp_path):
+    root = write_distribution(tmp_path / "k", "counting-kernel", "counting_kernel", KERNEL_SOURCE,
+                              {"counting": "counting_kernel"})
+    code = """
+        import json, torch, amp_backends, counting_kernel
+        be = amp_backends.get("cpu")
+        p = torch.nn.Parameter(torch.ones(3)); opt = torch.optim.SGD([p], lr=0.1)
+        scaler = amp_backends.GradScaler(be)
+        scaler.scale(p.sum()).backward(); scaler.step(opt); scaler.update()
+        rec = [r for r in amp_backends.plugins() if r.name == "counting"][0]
+        print(json.dumps({"kernel": be.kernel.name, "calls": counting_kernel.Doubling.calls, "kernels": rec.kernels}))
+    """
+    out = run_json(code, [root])
+    assert out == {"kernel": "counting", "calls": 1, "kernels": ["counting"]}
+    forced = run_json(code, [root], {"AMP_BACKENDS_KERNEL": "torch"})
+    assert forced["kernel"] == "torch" and forced["calls"] == 0
+
+
+def test_kernel_name_clash_fails_only_that_plugin(tmp_path):
+    source = KERNEL_SOURCE.replace("register(Doubling())", "register(Clash())")
+    root = write_distribution(tmp_path / "c", "clash-kernel", "clash_kernel", source, {"clash": "clash_kernel"})
+    out = run_json(
+        "import json, amp_backends; r = [p for p in amp_backends.plugins() if p.name == 'clash'][0]; "
+        "print(json.dumps([r.status, r.error, amp_backends.get('cpu').kernel.name]))",
+        [root],
+    )
+    assert out[0] == "failed" and "kernel name 'torch' is already registered by amp-backends" in out[1]
+    assert out[2] == "torch"

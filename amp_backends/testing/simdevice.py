@@ -119,7 +119,11 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(x, torch.Tensor):
             if id(x) in by_raw:  # an in-place op (or a copy into a CPU tensor) returned its input
                 return by_raw[id(x)]
-            return _wrap(x) if wrap_new else x
+            if not wrap_new:
+                return x
+            if not x.is_contiguous() and not _aliases(x, raw_args, raw_kwargs):
+                x = x.contiguous()  # wrappers are contiguous: make fresh outputs match
+            return _wrap(x)
         return x
 
     return tree_map(wrap, result)
@@ -133,6 +137,17 @@ def _kernel_for(qualified: str) -> Any:
         return _fallback(op, *args, **kwargs)
 
     return kernel
+
+
+def _aliases(out: torch.Tensor, *inputs: Any) -> bool:
+    """Whether ``out`` shares memory with any tensor among ``inputs`` (a view, not a new result)."""
+    if out.numel() == 0:
+        return False
+    ptr = out.untyped_storage().data_ptr()
+    return any(
+        isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() == ptr
+        for t in torch.utils._pytree.tree_leaves(inputs)
+    )
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""Conformance: the GradScaler end to end, a model that trains, distributed found_inf."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import amp_backends
+
+
+def _setup(backend, seed=0):
+    torch.manual_seed(seed)
+    dev = backend.device()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(dev)
+    x = torch.randn(128, 8).to(dev)
+    y = torch.tanh(x.cpu() @ torch.linspace(-1, 1, 8).unsqueeze(1)).to(dev)
+    return model, x, y
+
+
+def test_scaler_skips_on_overflow_backs_off_and_grows(backend):
+    model, x, y = _setup(backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = amp_backends.GradScaler(backend, init_scale=2.0**8, growth_interval=3)
+    scales = []
+    for step in range(8):
+        opt.zero_grad()
+        with backend.autocast(torch.float16 if torch.float16 in backend.supported_dtypes() else None):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if step == 2:
+            with torch.no_grad():
+                model[0].weight.grad.view(-1)[5] = math.inf
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        unchanged = all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        assert unchanged is (step == 2) and scaler.last_step_skipped is (step == 2)
+        scales.append(scaler.get_scale())
+    assert scales[2] == 2.0**7, "backoff x0.5 on the overflow"
+    assert scales[5] == 2.0**8, "growth x2 after growth_interval clean steps"
+    assert scaler.stats.skipped == 1 and scaler.stats.overflows == 1
+
+
+def test_scaler_state_dict_round_trip(backend):
+    scaler = amp_backends.GradScaler(backend, init_scale=1024.0, growth_interval=7)
+    scaler.scale(torch.ones((), device=backend.device()))
+    scaler.update(512.0)
+    state = scaler.state_dict()
+    assert state == {"scale": 512.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 7, "_growth_tracker": 0}
+    fresh = amp_backends.GradScaler(backend)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    theirs = torch.amp.GradScaler(backend.device_type)
+    theirs.load_state_dict(state)
+    assert theirs.state_dict() == state
+    with pytest.raises(amp_backends.StateDictError):
+        fresh.load_state_dict({**state, "scale": -1.0})
+    assert fresh.state_dict() == state
+
+
+def _train(backend, amp: bool, steps: int = 150):
+    model, x, y = _setup(backend, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = backend.grad_scaler(enabled=amp)
+    for _ in range(steps):
+        opt.zero_grad()
+        with backend.autocast(enabled=amp):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    with torch.no_grad():
+        return torch.nn.functional.mse_loss(model(x).float(), y).item()
+
+
+def test_model_trains_under_amp_close_to_fp32(backend):
+    amp_loss = _train(backend, amp=True)
+    fp32_loss = _train(backend, amp=False)
+    assert amp_loss < 0.02, "trains to the loss threshold under AMP"
+    assert abs(amp_loss - fp32_loss) < 0.01, "within tolerance of the fp32 run"
+
+
+def _rank(rank: int, world: int, init: str, backend_name: str, out: str) -> None:
+    be = amp_backends.get(backend_name)
+    dist.init_process_group(be.dist_backend, init_method=init, rank=rank, world_size=world)
+    try:
+        dev = be.device(rank) if be.device_type != "cpu" else be.device()
+        param = torch.nn.Parameter(torch.ones(4, device=dev))
+        opt = torch.optim.SGD([param], lr=0.1)
+        scaler = amp_backends.GradScaler(be, process_group="world")
+        skipped = []
+        for step in range(3):
+            scaler.scale((param * 2).sum()).backward()
+            if rank == 1 and step == 1:
+                param.grad[0] = math.nan
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            skipped.append(scaler.last_step_skipped)
+        Path(out, f"{rank}").write_text(repr(skipped))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_found_inf_agreement(backend):
+    if not dist.is_available() or not dist.is_backend_available(backend.dist_backend):
+        pytest.skip(f"distributed backend {backend.dist_backend!r} is not available in this torch")
+    if backend.device_type != "cpu":
+        count = getattr(getattr(torch, backend.device_type, None), "device_count", lambda: 0)()
+        if count < 2:
+            pytest.skip(f"needs 2 {backend.device_type} devices for 2 ranks, found {count}")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        mp.spawn(_rank, args=(2, init, backend.name, tmp), nprocs=2, join=True)
+        results = [Path(tmp, str(r)).read_text() for r in range(2)]
+    assert results[0] == results[1] == repr([False, True, False])

@@ -1,0 +1,34 @@
+"""amp-backends backend for the ACME accelerator (a template: it runs on the CPU).
+
+For a real device: set ``device_type`` to the name your PyTorch extension registers
+(``torch.utils.rename_privateuse1_backend("acme")``), import that extension inside
+``is_available`` (never at module import), and say why it is unavailable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import amp_backends
+
+
+class AcmeBackend(amp_backends.Backend):
+    name = "acme"
+    device_type = "cpu"  # your device type, e.g. "acme"
+    default_dtype = torch.bfloat16
+    dist_backend = "gloo"  # your collective library's process-group backend
+
+    def is_available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def unavailable_reason(self) -> str | None:
+        # e.g.: if importlib.util.find_spec("torch_acme") is None: return "torch_acme is not installed"
+        return None
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        return (torch.bfloat16, torch.float16)
+
+
+@amp_backends.hookimpl
+def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+    register(AcmeBackend())
