@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE = ROOT / "plugins" / "vendor-template"
 
 
 def _shared_site(tmp: Path) -> Path:
@@ -32,7 +32,8 @@ def _shared_site(tmp: Path) -> Path:
 @pytest.mark.slow
 def test_template_plugin_installs_and_passes_the_conformance_suite(tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # no pip or setuptools of its own: the outer environment's (via the .pth below) build and install
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
@@ -40,7 +41,11 @@ def test_template_plugin_installs_and_passes_the_conformance_suite(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AMP_BACKEND", "PYTHONPATH", "VIRTUAL_ENV"))}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     pip = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index"]
-    for target in (ROOT, TEMPLATE):
+    # build from copies: pip builds a local folder in place, and this checkout is in use by other tests
+    skip = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "out", ".pytest_cache")
+    core = shutil.copytree(ROOT, tmp_path / "src" / "amp-backends", ignore=skip, symlinks=True)
+    template = core / "plugins" / "vendor-template"
+    for target in (core, template):
         proc = subprocess.run(pip + [str(target)], capture_output=True, text=True, env=env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
 
