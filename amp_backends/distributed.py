@@ -10,6 +10,7 @@ Launch: ``torchrun --nproc_per_node=N train.py`` (one node) or with ``--nnodes``
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,14 @@ def init_process_group(backend: str | Backend | None = None, **kwargs: Any) -> D
 
 
 def destroy_process_group() -> None:
-    """Tear the default process group down, if there is one."""
+    """Wait for every rank, tear the default process group down, and free it now.
+
+    With torch 2.13 and Gloo, a process group still alive when the interpreter exits
+    (DDP and autograd keep it in reference cycles) can abort the process during
+    shutdown ("terminate called without an active exception"); collecting it here,
+    while Python is fully alive, joins its threads cleanly.
+    """
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
+        gc.collect()

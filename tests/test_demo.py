@@ -155,3 +155,11 @@ def test_bench_table_json_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = cli("bench", "--rounds", "0")
     assert bad.returncode == 2 and "--rounds must be >= 1" in bad.stderr
+
+
+@pytest.mark.slow
+def test_demo_with_torch_compile():
+    proc = cli("demo", "--compile", "--epochs", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["test_accuracy"] > 0.85 and out["dtype"] == "bfloat16"

@@ -1,10 +1,15 @@
 """A simulated accelerator on PyTorch's PrivateUse1 key, in pure Python, for testing.
 
-Every tensor on the simulated device is a plain ``torch.Tensor`` without data whose
-storage maps to a CPU tensor holding its values (:func:`raw_of`); a boxed fallback on the PrivateUse1 key runs each ATen op on those CPU tensors
-and wraps the results. An autocast policy registered from Python on the
-``AutocastPrivateUse1`` key follows CUDA's lists: matmul-like ops run in the autocast
-dtype, losses, reductions and numerically sensitive ops in float32, the rest unchanged.
+Every tensor on the simulated device is a plain ``torch.Tensor`` without data of its own;
+its storage maps to a CPU tensor holding its values (:func:`raw_of`). A boxed fallback on
+the PrivateUse1 key runs each ATen op on those CPU tensors and wraps the results. An
+autocast policy registered from Python on the ``AutocastPrivateUse1`` key follows CUDA's
+lists: matmul-like ops run in the autocast dtype, losses, reductions and numerically
+sensitive ops in float32, the rest unchanged.
+
+Known limit: a wrapper always reports contiguous strides; a view's data (``raw_of``) has
+the view's real strides, and ops compute on that, so results are right, but
+``.stride()``/``.is_contiguous()`` of a strided view on the device are not.
 
     from amp_backends.testing.simdevice import install
     install("mlu")                  # once per process: PrivateUse1 can be renamed once
@@ -171,7 +176,7 @@ def _intercepted_ops() -> list[str]:
     """ATen overloads that need an explicit PrivateUse1 kernel to reach :func:`_fallback`.
 
     CompositeExplicitAutograd(NonFunctional) kernels outrank a backend fallback: they
-    would build views and outputs in C++ (without a ``raw``) or resize an output
+    would build views and outputs in C++ (without data behind them) or resize an output
     wrapper behind our back. Views with backend-only kernels (``view``, ``as_strided``)
     are included too. CompositeImplicit ops decompose into these and need nothing.
     """
@@ -191,52 +196,6 @@ def _intercepted_ops() -> list[str]:
             qualified, "CompositeExplicitAutogradNonFunctional"
         )
         if (is_view or composite) and name not in _NOT_INTERCEPTED:
-            names.append(qualified[len("aten::"):])
-    return names
-
-
-def _kernel_for(qualified: str) -> Any:
-    name, _, overload = qualified.partition(".")
-    op = getattr(getattr(torch.ops.aten, name), overload or "default")
-
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        return _fallback(op, *args, **kwargs)
-
-    return kernel
-
-
-def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    _unwrap(dst).copy_(_unwrap(src))
-    return dst
-
-
-def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    source = _unwrap(src)
-    _unwrap(dst).resize_(source.shape).copy_(source)
-    return dst
-
-
-def _view_ops() -> list[str]:
-    """Every ATen overload that returns an alias of an input (views, detach, alias).
-
-    Such ops often have CompositeExplicitAutograd kernels, which outrank a backend
-    fallback and would build the result in C++ without a ``raw``; an explicit
-    PrivateUse1 kernel sends them through :func:`_fallback` too.
-    """
-    names = []
-    for qualified in torch._C._dispatch_get_all_op_names():
-        if not qualified.startswith("aten::"):
-            continue
-        name, _, overload = qualified[len("aten::"):].partition(".")
-        packet = getattr(torch.ops.aten, name, None)
-        try:
-            op = getattr(packet, overload or "default")
-        except AttributeError:
-            continue
-        if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"):
-            continue  # decomposes into other ops (to, reshape, contiguous...): nothing to intercept
-        returns = op._schema.returns
-        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
             names.append(qualified[len("aten::"):])
     return names
 

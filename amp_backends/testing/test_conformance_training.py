@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import amp_backends
+import amp_backends.distributed
 
 
 def _setup(backend, seed=0):
@@ -104,7 +105,7 @@ def _rank(rank: int, world: int, init: str, backend_name: str, out: str) -> None
             skipped.append(scaler.last_step_skipped)
         Path(out, f"{rank}").write_text(repr(skipped))
     finally:
-        dist.destroy_process_group()
+        amp_backends.distributed.destroy_process_group()
 
 
 def test_distributed_found_inf_agreement(backend):
