@@ -27,6 +27,17 @@ from .scaler import GradScaler, ScalerStats
 
 __version__ = "0.1.0"
 
+_LAZY_SUBMODULES = ("checkpoint", "distributed", "testing")
+
+
+def __getattr__(name: str) -> object:
+    """``amp_backends.distributed`` and friends, imported on first use (keeps import cheap)."""
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "AmpBackendsError",
     "AutocastModule",

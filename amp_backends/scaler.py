@@ -222,7 +222,7 @@ class GradScaler:
                     self.backend.unscale_and_check_(group, found[device], inv[device])
                 else:
                     self.backend.unscale_check_norm_(group, found[device], inv[device], partial[device])
-            for device, value in partial.items():
+            for value in partial.values():
                 if value is not norm_sq:
                     assert norm_sq is not None
                     norm_sq.add_(value.to(norm_sq.device))

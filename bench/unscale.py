@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     src = grads([(big,)], torch.float32, device)[0]
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
-    t_copy = measure(lambda: dst.copy_(src))
+    t_copy = measure(lambda dst=dst, src=src: dst.copy_(src))
     copy_bw = 2 * nbytes / t_copy
     rows.append({"case": "device copy" + ("" if args.smoke else ", 1 GiB fp32"), "ours_ms": t_copy * 1e3,
                  "GB/s": copy_bw / 1e9})
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. unscale + check on one big gradient: % of copy bandwidth
     buf = [src]
-    t_ours = measure(lambda: ours.unscale_and_check_(buf, found(), inv))
-    t_ref = measure(lambda: torch_op.unscale_and_check_(buf, found(), inv))
+    t_ours = measure(lambda buf=buf: ours.unscale_and_check_(buf, found(), inv))
+    t_ref = measure(lambda buf=buf: torch_op.unscale_and_check_(buf, found(), inv))
     label = "1 GiB" if not args.smoke else f"{nbytes >> 10} KiB"
     rows.append({"case": f"unscale+check {label} fp32", "ours_ms": t_ours * 1e3, "torch_ms": t_ref * 1e3,
                  "speedup": t_ref / t_ours, "GB/s": 2 * nbytes / t_ours / 1e9, "pct_of_copy": 100 * (2 * nbytes / t_ours) / copy_bw})
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         g = grads(gpt2, dtype, device, seed=1)
         n_bytes = sum(t.numel() for t in g) * g[0].element_size()
-        t_ours = measure(lambda: ours.unscale_and_check_(g, found(), inv))
-        t_ref = measure(lambda: torch_op.unscale_and_check_(g, found(), inv))
+        t_ours = measure(lambda g=g: ours.unscale_and_check_(g, found(), inv))
+        t_ref = measure(lambda g=g: torch_op.unscale_and_check_(g, found(), inv))
         rows.append({"case": f"unscale+check GPT-2 small {str(dtype)[6:]}", "ours_ms": t_ours * 1e3,
                      "torch_ms": t_ref * 1e3, "speedup": t_ref / t_ours, "GB/s": 2 * n_bytes / t_ours / 1e9})
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {header['device']} | torch {header['torch']} | triton {header['triton']} | {header['date']}")
     print(f"{'case':<36} {'ours ms':>9} {'torch ms':>9} {'speedup':>8} {'GB/s':>8} {'% copy':>7}")
     for r in rows:
-        def cell(key: str, fmt: str) -> str:
+        def cell(key: str, fmt: str, r: dict[str, object] = r) -> str:
             width = int(fmt.split(".")[0])
             return format(r[key], fmt) if key in r else "-".rjust(width)
 

@@ -6,7 +6,6 @@ Works for cpu (gloo), cuda (nccl) and mlu (cncl): the backend names its process-
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import amp_backends
 from amp_backends import distributed
 from _data import make_data, make_model
 
@@ -17,7 +16,7 @@ model = DDP(make_model(info.device), device_ids=info.device_ids)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scaler = be.grad_scaler(torch.float16)
 
-for step in range(60):
+for _ in range(60):
     opt.zero_grad()
     with be.autocast(torch.float16):
         loss = torch.nn.functional.mse_loss(model(x), y)

@@ -13,7 +13,7 @@ scaler = be.grad_scaler(torch.float16)  # fp16 to show the scaler at work, even 
 accumulate = 4
 micro = x.shape[0] // accumulate
 
-for step in range(40):
+for _ in range(40):
     for i in range(accumulate):
         xb, yb = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
         with be.autocast(torch.float16):

@@ -16,7 +16,7 @@ for recipe in ("torch", "scaler"):
     model = make_model(be.device())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = be.grad_scaler(torch.float16)
-    for step in range(60):
+    for _ in range(60):
         opt.zero_grad()
         with be.autocast(torch.float16):
             loss = torch.nn.functional.mse_loss(model(x), y)

@@ -12,7 +12,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 loss_fn = torch.nn.MSELoss()
 
 scaler = be.grad_scaler()  # dynamic loss scaling; a no-op where the dtype needs none
-for step in range(100):
+for _ in range(100):
     opt.zero_grad()
     with be.autocast():
         loss = loss_fn(model(x), y)

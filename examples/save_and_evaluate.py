@@ -15,7 +15,7 @@ x, y = make_data(be.device())
 model = make_model(be.device())
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scaler = be.grad_scaler(torch.float16)
-for step in range(50):
+for _ in range(50):
     opt.zero_grad()
     with be.autocast(torch.float16):
         loss = torch.nn.functional.mse_loss(model(x), y)

@@ -13,7 +13,7 @@ opt_encoder = torch.optim.AdamW(encoder.parameters(), lr=1e-2)
 opt_head = torch.optim.SGD(head.parameters(), lr=1e-2)
 scaler = be.grad_scaler(torch.float16)
 
-for step in range(80):
+for _ in range(80):
     opt_encoder.zero_grad()
     opt_head.zero_grad()
     with be.autocast(torch.float16):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import amp_backends
-from amp_backends import BackendUnavailableError, DuplicateBackendError, PluginLoadError, UnknownBackendError
+from amp_backends import BackendUnavailableError, UnknownBackendError
 
 from conftest import ACME_SOURCE, run_json, run_python, write_distribution
 
@@ -336,3 +336,17 @@ def test_kernel_name_clash_fails_only_that_plugin(tmp_path):
     )
     assert out[0] == "failed" and "kernel name 'torch' is already registered by amp-backends" in out[1]
     assert out[2] == "torch"
+
+
+def test_submodules_load_on_first_use():
+    out = run_json(
+        """
+        import json, sys, amp_backends
+        before = [m for m in ("amp_backends.distributed", "amp_backends.checkpoint") if m in sys.modules]
+        ok = callable(amp_backends.distributed.init_process_group) and callable(amp_backends.checkpoint.save)
+        print(json.dumps([before, ok]))
+        """
+    )
+    assert out == [[], True]
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        amp_backends.nope  # noqa: B018
