@@ -401,3 +401,34 @@ def test_scaler_uses_the_backends_kernel():
         p.grad = torch.ones_like(p)
     scaler.step(opt)
     assert sorted(calls, key=str) == sorted([(2, torch.float32), (1, torch.bfloat16)], key=str)
+
+
+def test_fused_optimizer_after_unscale_is_not_unscaled_twice():
+    """torch's clip recipe with AdamW(fused=True): unscale_, clip, step; bitwise equal to torch's scaler."""
+
+    def run(make):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scaler = make()
+        x = torch.randn(8, 16)
+        for step in range(6):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).sum()
+            scaler.scale(loss).backward()
+            if step == 2:
+                model.bias.grad[0] = math.inf
+            scaler.unscale_(opt)
+            grads = [p.grad.clone() for p in model.parameters()]
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()], grads, scaler.get_scale()
+
+    ours, ours_grads, ours_scale = run(lambda: GradScaler("cpu", init_scale=1024.0))
+    ref, ref_grads, ref_scale = run(lambda: torch.amp.GradScaler("cpu", init_scale=1024.0))
+    assert ours_scale == ref_scale == 512.0
+    for a, b in zip(ours + ours_grads, ref + ref_grads):
+        assert torch.equal(a, b)
+    assert max(g.abs().max().item() for g in ours_grads) < 1024, "gradients were unscaled (once) before step"
