@@ -135,20 +135,22 @@ class Backend:
             self._kernel = kernel_for(self)
         return self._kernel
 
+    def _each_group(self, op: str, grads: Sequence[torch.Tensor], *args: torch.Tensor) -> None:
+        """Run kernel op ``op`` once per (device, dtype) group of ``grads``."""
+        run = getattr(self.kernel, op)
+        for group in group_by_device_and_dtype(grads).values():
+            run(group, *args)
+
     def unscale_and_check_(
         self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
     ) -> None:
         """Multiply every gradient in place by ``inv_scale``; set ``found_inf`` (0-dim fp32)
         to 1 if any element is inf, -inf or NaN. Lists may mix dtypes and strides."""
-        kernel = self.kernel
-        for group in group_by_device_and_dtype(grads).values():
-            kernel.unscale_and_check_(group, found_inf, inv_scale)
+        self._each_group("unscale_and_check_", grads, found_inf, inv_scale)
 
     def check_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
         """Read-only inf/NaN check: set ``found_inf`` to 1 on any non-finite element."""
-        kernel = self.kernel
-        for group in group_by_device_and_dtype(grads).values():
-            kernel.check_(group, found_inf)
+        self._each_group("check_", grads, found_inf)
 
     def unscale_check_norm_(
         self,
@@ -158,15 +160,11 @@ class Backend:
         norm_sq: torch.Tensor,
     ) -> None:
         """Unscale and check, adding the fp32 sum of squares of the result to ``norm_sq``."""
-        kernel = self.kernel
-        for group in group_by_device_and_dtype(grads).values():
-            kernel.unscale_check_norm_(group, found_inf, inv_scale, norm_sq)
+        self._each_group("unscale_check_norm_", grads, found_inf, inv_scale, norm_sq)
 
     def check_norm_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, norm_sq: torch.Tensor) -> None:
         """Read-only check that also adds the fp32 sum of squares of ``grads`` to ``norm_sq``."""
-        kernel = self.kernel
-        for group in group_by_device_and_dtype(grads).values():
-            kernel.check_norm_(group, found_inf, norm_sq)
+        self._each_group("check_norm_", grads, found_inf, norm_sq)
 
     # -- device -----------------------------------------------------------------------
     def device(self, index: int | None = None) -> torch.device:

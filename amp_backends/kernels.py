@@ -11,7 +11,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL"]
+__all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL", "add_sum_of_squares"]
+
+
+def add_sum_of_squares(grads: Sequence[torch.Tensor], norm_sq: torch.Tensor) -> None:
+    """Add the fp32 sum of squares of every element of ``grads`` to the 0-dim ``norm_sq``."""
+    if grads:
+        norms = torch._foreach_norm(list(grads), 2.0)
+        norm_sq.add_(torch.stack([n.float() for n in norms]).square().sum())
 
 
 class Kernel:
@@ -55,17 +62,13 @@ class Kernel:
         of the unscaled gradients (in fp32) to the 0-dim fp32 tensor ``norm_sq``."""
         grads = list(grads)
         self.unscale_and_check_(grads, found_inf, inv_scale)
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0)
-            norm_sq.add_(torch.stack([n.float() for n in norms]).square().sum())
+        add_sum_of_squares(grads, norm_sq)
 
     def check_norm_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, norm_sq: torch.Tensor) -> None:
         """Read-only: check like :meth:`check_` and add the fp32 sum of squares of ``grads`` to ``norm_sq``."""
         grads = list(grads)
         self.check_(grads, found_inf)
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0)
-            norm_sq.add_(torch.stack([n.float() for n in norms]).square().sum())
+        add_sum_of_squares(grads, norm_sq)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from amp_backends.kernels import TORCH_KERNEL
+from amp_backends.kernels import TORCH_KERNEL, add_sum_of_squares
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: Elements per program: big enough to stream on a GPU, small in the interpreter so tests span blocks.
@@ -114,13 +114,21 @@ def _block_table(
     return table
 
 
-def _split(grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    dense, other = [], []
+def _split(grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[int], list[torch.Tensor]]:
+    """One pass: dense gradients with their addresses and sizes, and the rest (empty ones dropped)."""
+    dense, ptrs, numels, other = [], [], [], []
     for g in grads:
-        if g.numel() == 0:
+        n = g.numel()
+        if n == 0:
             continue
-        (dense if is_dense(g) and g.data_ptr() % g.element_size() == 0 else other).append(g)
-    return dense, other
+        ptr = g.data_ptr()
+        if is_dense(g) and ptr % g.element_size() == 0:
+            dense.append(g)
+            ptrs.append(ptr)
+            numels.append(n)
+        else:
+            other.append(g)
+    return dense, ptrs, numels, other
 
 
 def _fallback(
@@ -139,8 +147,7 @@ def _fallback(
         for g in grads:  # read-only: never write a gradient we were asked only to check
             found_inf.masked_fill_(~torch.isfinite(g).all(), 1.0)
     if norm_sq is not None:
-        norms = torch._foreach_norm(grads, 2.0)
-        norm_sq.add_(torch.stack([n.float() for n in norms]).square().sum())
+        add_sum_of_squares(grads, norm_sq)
 
 
 def run(
@@ -151,7 +158,7 @@ def run(
     norm_sq: torch.Tensor | None,
 ) -> None:
     """One launch over every dense gradient of one (device, dtype) group; torch for the rest."""
-    dense, other = _split(grads)
+    dense, ptrs, numels, other = _split(grads)
     _fallback(other, found_inf, inv_scale, write, norm_sq)
     if not dense:
         return
@@ -160,11 +167,8 @@ def run(
         _fallback(dense, found_inf, inv_scale, write, norm_sq)
         return
     bf16 = dtype == torch.bfloat16
-    views = [g.view(torch.int16) if bf16 else g for g in dense]
-    base = views[0]
-    ptrs = tuple(v.data_ptr() for v in views)
-    numels = tuple(v.numel() for v in views)
-    starts, lengths = _block_table(ptrs, numels, base.element_size(), base.device)
+    base = dense[0].view(torch.int16) if bf16 else dense[0]  # bf16 moves as int16 bits: same address, same count
+    starts, lengths = _block_table(tuple(ptrs), tuple(numels), base.element_size(), base.device)
     n_blocks = starts.numel()
     partial = torch.empty(n_blocks, dtype=torch.float32, device=base.device) if norm_sq is not None else found_inf
     _grad_kernel[(n_blocks,)](
