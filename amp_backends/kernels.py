@@ -15,10 +15,20 @@ __all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL", "add_sum_of_squares"]
 
 
 def add_sum_of_squares(grads: Sequence[torch.Tensor], norm_sq: torch.Tensor) -> None:
-    """Add the fp32 sum of squares of every element of ``grads`` to the 0-dim ``norm_sq``."""
-    if grads:
-        norms = torch._foreach_norm(list(grads), 2.0)
-        norm_sq.add_(torch.stack([n.float() for n in norms]).square().sum())
+    """Add the sum of squares of every element of ``grads`` to the 0-dim fp32 ``norm_sq``.
+
+    Each tensor's norm is accumulated and returned in fp32 whatever its dtype (an fp16
+    gradient of 60000s does not overflow). DTensor gradients (FSDP2) give their global
+    norm, reduced over their mesh as ``torch.nn.utils.clip_grad_norm_`` reduces it.
+    """
+    if not grads:
+        return
+    norms = torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)
+    total = torch.linalg.vector_norm(torch.stack(list(norms)))
+    full_tensor = getattr(total, "full_tensor", None)  # a DTensor: reduce its partial norm
+    if callable(full_tensor):
+        total = full_tensor()
+    norm_sq.add_(total.square())
 
 
 class Kernel:
@@ -27,6 +37,9 @@ class Kernel:
     name: str = "kernel"
     #: Higher wins when several kernels can run on a device type.
     priority: int = 0
+    #: True when :meth:`unscale_check_norm_` measures the norm in the same pass as the
+    #: unscale; the scaler's ``clip_grad_norm_`` then uses it instead of torch's recipe.
+    one_pass_norm: bool = False
 
     def supports(self, device_type: str) -> bool:
         """Whether this kernel can run on tensors of ``device_type`` (when forced)."""

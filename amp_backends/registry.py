@@ -43,6 +43,7 @@ __all__ = [
     "plugins",
     "register_plugin",
     "reload",
+    "resolve_backend",
 ]
 
 ENTRY_POINT_GROUP = "amp_backends"
@@ -317,6 +318,23 @@ class Registry:
             raise BackendUnavailableError(f"backend {backend.name!r} is not available: {reason}")
         return backend
 
+    def for_device_type(self, device_type: str) -> Backend:
+        """The backend serving torch device type ``device_type`` (the one of that name first)."""
+        self._ensure_loaded()
+        if device_type in self._backends or device_type in self._duplicates:
+            return self.get(device_type)
+        matching = [b for _, (b, _, _) in sorted(self._backends.items()) if b.device_type == device_type]
+        usable = [b for b in matching if _safe_available(b)]
+        if usable:
+            return self.get(usable[0].name)
+        if matching:
+            return self.get(matching[0].name)  # raises, saying why it is unavailable
+        types = sorted({b.device_type for _, (b, _, _) in self._backends.items()})
+        raise UnknownBackendError(
+            f"no backend serves device type {device_type!r}; backends exist for: {', '.join(types) or '(none)'}. "
+            "Install the plugin for that device, or pass a backend name."
+        )
+
     def _missing(self, name: str, key: str) -> Exception:
         for record in self._records.values():
             if key in (record.name.lower(), _normalise(record.package)) and record.status != "loaded":
@@ -422,6 +440,38 @@ def default_registry() -> Registry:
 def get(name: str | None = None) -> Backend:
     """A backend by name; the best available one for None or ``"auto"`` (``AMP_BACKEND`` overrides)."""
     return _DEFAULT.get(name)
+
+
+def resolve_backend(backend: str | Backend | Any = None, device: str | Any = None) -> Backend:
+    """What an API taking ``backend`` (and torch's ``device=``) means: a Backend, a backend
+    name, a ``torch.device`` or device-type string, or None for the best available."""
+    import torch
+
+    if device is not None:
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a device type string or a torch.device, got {type(device).__name__}")
+        device_type = torch.device(device).type
+        if backend is None:
+            return _DEFAULT.for_device_type(device_type)
+        chosen = resolve_backend(backend)
+        if chosen.device_type != device_type:
+            raise ValueError(
+                f"backend {chosen.name!r} runs on device type {chosen.device_type!r}, but device={device!r} "
+                "was also given: pass one of them."
+            )
+        return chosen
+    if backend is None or isinstance(backend, Backend):
+        return get() if backend is None else backend
+    if isinstance(backend, torch.device):
+        return _DEFAULT.for_device_type(backend.type)
+    if isinstance(backend, str):
+        if ":" in backend:  # "cuda:0", as torch.device spells it
+            return _DEFAULT.for_device_type(torch.device(backend).type)
+        return get(backend)
+    raise TypeError(
+        f"backend must be a backend name, a Backend, a torch.device or None, got {type(backend).__name__} "
+        f"{backend!r}; known backends: {', '.join(names())}"
+    )
 
 
 def names() -> list[str]:

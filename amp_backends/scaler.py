@@ -1,28 +1,33 @@
-"""Device-generic dynamic loss scaling on the backend's unscale op.
+"""``torch.amp.GradScaler`` whose unscale and inf/NaN checks run on the backend's ops.
 
-Behaves like ``torch.amp.GradScaler`` (same state_dict, same update op, same results)
-and adds: ``last_step_skipped`` for gating LR schedulers, ``stats`` without extra host
-synchronisation, ``clip_grad_norm_`` that unscales, checks and measures the norm in one
-pass, ``check_finite`` for unscaled (bf16) training, and validated checkpoints.
+:class:`GradScaler` subclasses torch's scaler the way torch's own ``ShardedGradScaler``
+does: stages, per-device caching, the update op, the fused-optimizer protocols
+(``grad_scale``/``found_inf`` attributes and ``step(grad_scaler=...)``), pickling and the
+state_dict are torch's. It overrides only where the backend must act:
 
-Host synchronisation: ``step()`` reads ``found_inf`` once (``.item()``) to decide whether
-to call ``optimizer.step()``; nothing else in a training step waits for the device. With
-an optimizer that unscales itself (``fused=True``), ``found_inf`` is handed to the
-optimizer and ``step()`` does not synchronise at all.
+- ``_unscale_grads_``: the unscale + inf/NaN check, through ``backend.unscale_and_check_``;
+- ``_check_inf_per_device``: the read-only check before a fused optimizer's step, through
+  ``backend.check_`` (torch runs a dummy unscale by 1.0 there);
+
+and adds what torch lacks: ``last_step_skipped``, ``stats``, ``clip_grad_norm_``,
+``check_finite`` for unscaled (bf16) training, validated ``load_state_dict``, a warning
+when the scale collapses, and ``process_group`` to agree on found_inf across ranks.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import struct
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from .backend import group_by_device_and_dtype
 from .errors import StateDictError
@@ -39,12 +44,10 @@ _STATE_KEYS: dict[str, type] = {
     "growth_interval": int,
     "_growth_tracker": int,
 }
-
-
-class _Stage(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
+_INT32_MAX = 2**31 - 1
+#: With fused optimizers the overflow flags stay on the device; the scale is read (one
+#: host sync) this often to notice a collapsing scale.
+_LOW_SCALE_CHECK_EVERY = 64
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class ScalerStats:
     skipped: int
     #: ``update()`` calls that found an overflow (the scale backed off).
     overflows: int
-    #: the current loss scale (1.0 when scaling is disabled).
+    #: the current loss scale (1.0 when scaling is disabled); equals ``get_scale()``.
     scale: float
     #: index (0-based) of the last ``update()`` that found an overflow, or None.
     last_overflow_step: int | None
@@ -66,60 +69,73 @@ class ScalerStats:
 
 
 def _f32(x: float) -> float:
-    """Round a Python float to float32, as the device's scale tensor stores it."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+    """Round a Python float to float32, as the device's scale tensor stores it (inf if too large)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
-class _OptimizerState:
-    __slots__ = ("stage", "found_inf", "found_host", "grad_scale")
-
-    def __init__(self) -> None:
-        self.stage = _Stage.READY
-        self.found_inf: dict[torch.device, torch.Tensor] = {}
-        self.found_host: bool | None = None
-        self.grad_scale: torch.Tensor | None = None
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
 
 
-class GradScaler:
-    """Dynamic loss scaler whose unscale runs on ``backend.unscale_and_check_``.
+def _sum_on(found: Mapping[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
+    tensors = [t.to(device, non_blocking=True) for t in found.values()]
+    return tensors[0] if len(tensors) == 1 else torch.stack(tensors).sum()
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Dynamic loss scaler (a ``torch.amp.GradScaler``) whose gradient ops are the backend's.
 
     Args:
-        backend: a backend name (``"cpu"``, ``"cuda"``, ...), a Backend, or None for the best available.
-        init_scale, growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
-        enabled: False makes ``scale``/``unscale_``/``update`` no-ops (bf16 training).
+        backend: a backend name (``"cpu"``, ``"cuda"``, ...), a Backend, a ``torch.device``,
+            or None for the best available (or the one serving ``device``).
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch's.
+        device: a device type, as torch spells it (``GradScaler(device="cuda")``); picks the
+            backend serving that device type when ``backend`` is None.
         check_finite: when scaling is disabled, still skip a step whose gradients hold inf/NaN.
-        process_group: all-reduce found_inf over this group (or the default group for ``"world"``)
-            so that ranks holding different gradients (FSDP, sharding) skip the same steps.
+        process_group: all-reduce found_inf over this group (``"world"``: the default group)
+            so that ranks holding different gradients (ZeRO, hand-made shards) skip the same
+            steps. FSDP2's DTensor gradients need none: torch's op reduces over their mesh.
     """
 
     def __init__(
         self,
-        backend: str | Backend | None = None,
+        backend: str | Backend | torch.device | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
+        *,
+        device: str | torch.device | None = None,
         check_finite: bool = False,
         process_group: Any = None,
     ) -> None:
-        from .registry import get
+        from .registry import resolve_backend
 
-        self.backend: Backend = get(backend) if backend is None or isinstance(backend, str) else backend
-        self._enabled = bool(enabled)
-        self._check_finite = bool(check_finite)
-        self._process_group = process_group
+        enabled = _flag("enabled", enabled)
+        self._check_finite = _flag("check_finite", check_finite)
         _check_factors(init_scale, growth_factor, backoff_factor, growth_interval, ValueError)
-        self._init_scale = float(init_scale)
-        self._growth_factor = float(growth_factor)
-        self._backoff_factor = float(backoff_factor)
-        self._growth_interval = int(growth_interval)
-        self._init_growth_tracker = 0
-        self._scale: torch.Tensor | None = None
-        self._growth_tracker: torch.Tensor | None = None
-        self._scale_copies: dict[torch.device, torch.Tensor] = {}
-        self._states: dict[int, _OptimizerState] = {}
-        # host-side bookkeeping for stats, kept without reading the device
+        self.backend: Backend = resolve_backend(backend, device)
+        self._process_group = process_group
+        super().__init__(
+            self.backend.device_type,
+            init_scale=float(init_scale),
+            growth_factor=float(growth_factor),
+            backoff_factor=float(backoff_factor),
+            growth_interval=int(growth_interval),
+            enabled=enabled,
+        )
+        if not self._enabled:  # torch keeps no factors when disabled; the getters still answer
+            self._init_scale, self._growth_factor = float(init_scale), float(growth_factor)
+            self._backoff_factor, self._growth_interval = float(backoff_factor), int(growth_interval)
+            self._init_growth_tracker = 0
+        # host-side bookkeeping for stats and signals, kept without reading the device
+        self._host_found: dict[int, bool] = {}
         self._steps = 0
         self._skipped = 0
         self._overflows = 0
@@ -127,139 +143,182 @@ class GradScaler:
         self._last_overflow: int | None = None
         self._last_skipped: bool | torch.Tensor = False
         self._device_counts: dict[str, torch.Tensor] = {}
-        self._mirror: tuple[float, int] | None = (self._init_scale, 0)
+        self._mirror: tuple[float, int] | None = (_f32(float(init_scale)), 0)
         self._warned_low_scale = False
 
-    # -- helpers ----------------------------------------------------------------------
-    def _state(self, optimizer: torch.optim.Optimizer) -> _OptimizerState:
-        return self._states.setdefault(id(optimizer), _OptimizerState())
+    # -- where the backend acts ---------------------------------------------------------
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        return self._grad_op(optimizer, inv_scale, found_inf, allow_fp16)
 
-    def _require_scale(self, what: str) -> torch.Tensor:
-        if self._scale is None:
-            raise RuntimeError(
-                f"GradScaler.{what}() called before scale(): call scaler.scale(loss).backward() "
-                "earlier in the iteration."
-            )
-        return self._scale
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = self._grad_op(optimizer, None, found_inf, True)
+        return state["found_inf_per_device"]
 
-    def _scale_on(self, device: torch.device) -> torch.Tensor:
-        if self._scale is None:
-            self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
-            self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
-            self._scale_copies = {}
-        if device == self._scale.device:
-            return self._scale
-        copy = self._scale_copies.get(device)
-        if copy is None:
-            copy = self._scale_copies[device] = self._scale.to(device, non_blocking=True)
-        return copy
-
-    @staticmethod
-    def _grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[torch.Tensor]:
-        grads = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if not allow_fp16 and grad.dtype == torch.float16:
-                    raise ValueError(
-                        "Attempting to unscale FP16 gradients: the parameters themselves are "
-                        "float16. Keep parameters in float32 and let autocast lower the "
-                        "compute, or use bf16 without a scaler."
-                    )
-                if grad.is_sparse:
-                    if grad.dtype is torch.float16:
-                        param.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                grads.append(grad)
-        return grads
-
-    def _found_inf_buffers(self, grads: list[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-        return {
-            device: torch.zeros((), dtype=torch.float32, device=device)
-            for device in dict.fromkeys(g.device for g in grads)
-        }
-
-    def _all_reduce(self, found: dict[torch.device, torch.Tensor]) -> None:
-        if self._process_group is None:
-            return
-        import torch.distributed as dist
-
-        group = None if self._process_group == "world" else self._process_group
-        for tensor in found.values():
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-
-    def _unscale_grads(
+    def _grad_op(
         self,
         optimizer: torch.optim.Optimizer,
         inv_scale: torch.Tensor | None,
+        found_inf: torch.Tensor,
         allow_fp16: bool,
         norm_sq: torch.Tensor | None = None,
     ) -> dict[torch.device, torch.Tensor]:
-        """Run the backend's op on every gradient, per device and dtype.
+        """One walk over the optimizer's gradients, then the backend's op per (device, dtype).
 
-        ``inv_scale`` None means a read-only check; ``norm_sq`` (on the scale's device)
-        also accumulates the sum of squares of the (unscaled) gradients.
+        ``inv_scale`` None is a read-only check; ``norm_sq`` (on ``found_inf``'s device) also
+        receives the fp32 sum of squares of the (unscaled) gradients. Returns found_inf per device.
         """
+        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
-            grads = self._grads(optimizer, allow_fp16)
-            found = self._found_inf_buffers(grads)
-            inv: dict[torch.device, torch.Tensor] = {}
-            partial: dict[torch.device, torch.Tensor] = {}
-            for (device, _), group in group_by_device_and_dtype(grads).items():
-                if norm_sq is not None and device not in partial:
-                    partial[device] = norm_sq if device == norm_sq.device else torch.zeros_like(norm_sq, device=device)
-                if inv_scale is None:
-                    if norm_sq is None:
-                        self.backend.check_(group, found[device])
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError(
+                            "Attempting to unscale FP16 gradients: the parameters themselves are "
+                            "float16. Keep parameters in float32 and let autocast lower the "
+                            "compute, or use bf16 without a scaler."
+                        )
+                    if grad.is_sparse:
+                        # coalesce where duplicates matter: fp16 sums may overflow, norms count each index once
+                        if grad.dtype is torch.float16 or norm_sq is not None:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    groups[grad.device][grad.dtype].append(grad)
+            found: dict[torch.device, torch.Tensor] = {}
+            be = self.backend
+            for device, by_dtype in groups.items():
+                found[device] = found_inf.to(device, non_blocking=True, copy=True)
+                inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
+                partial = None if norm_sq is None else torch.zeros((), dtype=torch.float32, device=device)
+                for grads in by_dtype.values():
+                    if inv is None and partial is None:
+                        be.check_(grads, found[device])
+                    elif inv is None:
+                        be.check_norm_(grads, found[device], partial)
+                    elif partial is None:
+                        be.unscale_and_check_(grads, found[device], inv)
                     else:
-                        self.backend.check_norm_(group, found[device], partial[device])
-                    continue
-                if device not in inv:
-                    inv[device] = inv_scale.to(device, non_blocking=True)
-                if norm_sq is None:
-                    self.backend.unscale_and_check_(group, found[device], inv[device])
-                else:
-                    self.backend.unscale_check_norm_(group, found[device], inv[device], partial[device])
-            for value in partial.values():
-                if value is not norm_sq:
-                    assert norm_sq is not None
-                    norm_sq.add_(value.to(norm_sq.device))
-            self._all_reduce(found)
+                        be.unscale_check_norm_(grads, found[device], inv, partial)
+                if partial is not None:
+                    norm_sq.add_(partial.to(norm_sq.device))
+            if self._process_group is not None:
+                import torch.distributed as dist
+
+                pg = None if self._process_group == "world" else self._process_group
+                for tensor in found.values():
+                    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=pg)
         return found
 
-    def _inv_scale(self) -> torch.Tensor:
-        return self._require_scale("unscale_").double().reciprocal().float()
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._scale is None or self._growth_tracker is None:
+            raise RuntimeError(
+                f"GradScaler.{funcname}() called before scale(): call scaler.scale(loss).backward() "
+                "earlier in the iteration."
+            )
+        return self._scale, self._growth_tracker
 
-    # -- public API -------------------------------------------------------------------
-    def scale(self, outputs: Any) -> Any:
-        """Multiply a tensor, or nested lists/tuples of tensors, by the scale."""
+    # -- step: torch's, plus the skip signal and counters --------------------------------
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        found = optimizer_state["found_inf_per_device"]
+        skipped = bool(_sum_on(found, next(iter(found))).item())  # the one host sync of a step
+        return self._finish_step(optimizer, skipped, *args, **kwargs)
+
+    def _finish_step(self, optimizer: torch.optim.Optimizer, skipped: bool, *args: Any, **kwargs: Any) -> Any:
+        self._host_found[id(optimizer)] = skipped
+        self._last_skipped = skipped
+        if skipped:
+            self._steps += 1
+            self._skipped += 1
+            return None
+        result = optimizer.step(*args, **kwargs)
+        self._steps += 1
+        return result
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale if needed, then run ``optimizer.step()`` unless a gradient was inf/NaN.
+
+        Returns what ``optimizer.step`` returns; ``last_step_skipped`` tells whether it ran.
+        A disabled scaler forwards everything (a closure too) unless ``check_finite`` is set.
+        An optimizer with ``_step_supports_amp_scaling`` skips on the device by itself: it gets
+        ``grad_scale``/``found_inf`` (or ``grad_scaler=self`` where its ``step`` takes that).
+        """
         if not self._enabled:
-            return outputs
-        if isinstance(outputs, torch.Tensor):
-            return outputs * self._scale_on(outputs.device)
+            return self._step_unscaled(optimizer, *args, **kwargs)
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return super().step(optimizer, *args, **kwargs)
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            result = super().step(optimizer, *args, **kwargs)  # the optimizer calls _check_inf_per_device
+        else:
+            result = self._fused_step(optimizer, *args, **kwargs)
+        # The optimizer skipped on the device: the flag stays there until someone reads it.
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if found:
+            flag = _sum_on(found, next(iter(found))) > 0
+            self._last_skipped = flag
+            self._steps += 1
+            self._count_on_device("skipped", flag)
+        else:  # no parameter had a gradient: nothing stepped, nothing skipped
+            self._last_skipped = False
+        return result
 
-        def apply(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                return value * self._scale_on(value.device)
-            if isinstance(value, (list, tuple)):
-                return type(value)(apply(v) for v in value)
-            if isinstance(value, Iterable):
-                return map(apply, value)
-            raise ValueError(f"scale() takes a tensor or an iterable of tensors, got {type(value).__name__}")
+    def _fused_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """torch's ``grad_scale``/``found_inf`` protocol as torch 2.5+ runs it, on every torch:
+        after ``unscale_`` (or our clip) a ``grad_scale`` set on the optimizer is applied."""
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale, _ = self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+            grad_scale = scale * getattr(optimizer, "grad_scale", 1)
+        else:
+            grad_scale = getattr(optimizer, "grad_scale", None)
+        found = state["found_inf_per_device"]
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = _sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]
+        try:
+            result = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        state["stage"] = OptState.STEPPED
+        return result
 
-        return apply(outputs)
+    def _step_unscaled(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if not self._check_finite:
+            self._last_skipped = False
+            result = optimizer.step(*args, **kwargs)
+            self._steps += 1
+            return result
+        if "closure" in kwargs or args:
+            raise RuntimeError(
+                "check_finite=True checks gradients before optimizer.step(), but a closure would compute "
+                "them inside it: run the closure (forward and backward) before scaler.step(optimizer)."
+            )
+        first = next((p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
+        if first is None:
+            self._last_skipped = False
+            return optimizer.step(**kwargs)
+        found = self._grad_op(optimizer, None, torch.zeros((), dtype=torch.float32, device=first.device), True)
+        skipped = bool(_sum_on(found, first.device).item())
+        return self._finish_step(optimizer, skipped, **kwargs)
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale and record inf/NaN (no host sync)."""
-        if not self._enabled:
-            return
-        state = self._state(optimizer)
-        self._check_stage(state, "unscale_")
-        state.found_inf = self._unscale_grads(optimizer, self._inv_scale(), allow_fp16=False)
-        state.stage = _Stage.UNSCALED
-
+    # -- clipping -------------------------------------------------------------------------
     def clip_grad_norm_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -268,166 +327,102 @@ class GradScaler:
     ) -> torch.Tensor:
         """Unscale (if not done yet) and clip the optimizer's gradients to ``max_norm``.
 
-        Returns the total norm of the unscaled gradients (a device tensor; inf/NaN when
-        the step will be skipped). For the 2-norm on gradients not yet unscaled, one pass
-        unscales, checks and sums squares; the clip multiply is then folded into a fused
-        optimizer's own unscale, or done as one more pass otherwise.
+        Returns the total norm of the unscaled gradients (a device tensor; inf/NaN when the
+        step will be skipped, inf when the scale has underflowed to 0). With torch's kernel
+        this is ``unscale_`` followed by ``torch.nn.utils.clip_grad_norm_``, bit for bit.
+        With a kernel that measures the norm while it unscales (Triton) one pass unscales,
+        checks and sums squares. With a fused optimizer (``AdamW(fused=True)``) the
+        gradients are only read: the clip is folded into the optimizer's ``grad_scale``.
         """
         max_norm = float(max_norm)
+        norm_type = float(norm_type)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        state = self._state(optimizer)
-        if not self._enabled or state.stage is not _Stage.READY or float(norm_type) != 2.0:
-            if self._enabled and state.stage is _Stage.READY:
-                self.unscale_(optimizer)
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        self._check_stage(state, "clip_grad_norm_")
-        scale = self._require_scale("clip_grad_norm_")
-        norm_sq = torch.zeros((), dtype=torch.float32, device=scale.device)
+        for p in params:
+            if p.grad.is_sparse:
+                p.grad = p.grad.coalesce()
+        stage = self._per_optimizer_states[id(optimizer)]["stage"] if self._enabled else OptState.UNSCALED
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        if fused:
-            # read-only pass: check and sum squares of the still-scaled gradients
-            state.found_inf = self._unscale_grads(optimizer, None, True, norm_sq)
-            total = norm_sq.sqrt() * self._inv_scale()
+        one_pass = norm_type == 2.0 and (fused or self.backend.kernel.one_pass_norm)
+        if stage is not OptState.READY or not one_pass:
+            if stage is OptState.READY:
+                self.unscale_(optimizer)
+            total = torch.nn.utils.clip_grad_norm_(_dense_grad_holders(params), max_norm, norm_type=norm_type)
+            return self._inf_when_scale_underflowed(total)
+        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
+        state = self._per_optimizer_states[id(optimizer)]
+        inv_scale = scale.double().reciprocal().float()
+        norm_sq = torch.zeros((), dtype=torch.float32, device=scale.device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        if fused:  # read-only: check and measure the still-scaled gradients
+            state["found_inf_per_device"] = self._grad_op(optimizer, None, found_inf, True, norm_sq)
+            total = norm_sq.sqrt() * inv_scale
         else:
-            state.found_inf = self._unscale_grads(optimizer, self._inv_scale(), False, norm_sq)
+            state["found_inf_per_device"] = self._grad_op(optimizer, inv_scale, found_inf, False, norm_sq)
             total = norm_sq.sqrt()
+        total = self._inf_when_scale_underflowed(total)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if fused:
-            state.grad_scale = scale / coef
-        elif params:
-            grads = [p.grad for p in params]
-            for (device, _), group in group_by_device_and_dtype(grads).items():
-                torch._foreach_mul_(group, coef.to(device))
-        state.stage = _Stage.UNSCALED
+            optimizer.grad_scale = scale * getattr(optimizer, "grad_scale", 1) / coef  # type: ignore[attr-defined]
+        else:
+            for (device, _), grads in group_by_device_and_dtype(p.grad for p in params).items():
+                c = coef.to(device)
+                torch._foreach_mul_([g for g in grads if not g.is_sparse], c)
+                for g in grads:
+                    if g.is_sparse:
+                        g.mul_(c)
+        state["stage"] = OptState.UNSCALED
         return total
 
-    def _check_stage(self, state: _OptimizerState, what: str) -> None:
-        if state.stage is _Stage.UNSCALED:
-            raise RuntimeError(
-                f"{what}() has already been called on this optimizer since the last update(); "
-                "gradients are unscaled once per optimizer per step."
-            )
-        if state.stage is _Stage.STEPPED:
-            raise RuntimeError(f"{what}() is being called after step(); call update() first.")
+    def _inf_when_scale_underflowed(self, total: torch.Tensor) -> torch.Tensor:
+        if not self._enabled or self._scale is None:
+            return total
+        return torch.where(self._scale.to(total.device) == 0, torch.full_like(total, math.inf), total)
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Unscale if needed, then run ``optimizer.step()`` unless a gradient was inf/NaN.
-
-        Returns what ``optimizer.step`` returns; ``last_step_skipped`` tells whether it ran.
-        """
-        if "closure" in kwargs:
-            raise RuntimeError("closure is not supported with GradScaler: run the closure before step().")
+    # -- update ---------------------------------------------------------------------------
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Back the scale off after an overflow, grow it after ``growth_interval`` clean steps;
+        or set it to ``new_scale`` (a positive number or a one-element tensor)."""
+        index = self._updates
         if not self._enabled:
-            return self._step_unscaled(optimizer, *args, **kwargs)
-        scale = self._require_scale("step")
-        state = self._state(optimizer)
-        if state.stage is _Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
-        self._steps += 1
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if state.stage is _Stage.READY:
-                state.found_inf = self._unscale_grads(optimizer, None, allow_fp16=True)
-                grad_scale = scale * getattr(optimizer, "grad_scale", 1)
-            else:
-                grad_scale = state.grad_scale  # None when unscale_() already ran
-            found = self._total(state.found_inf, scale.device)
-            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-            optimizer.found_inf = found  # type: ignore[attr-defined]
-            try:
-                result = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            state.stage = _Stage.STEPPED
-            self._last_skipped = found > 0
-            self._count_on_device("skipped", self._last_skipped)
-            return result
-        if state.stage is _Stage.READY:
-            self.unscale_(optimizer)
-        skipped = bool(self._total(state.found_inf, scale.device).item())  # the one host sync
-        state.found_host = skipped
-        state.stage = _Stage.STEPPED
-        self._last_skipped = skipped
-        if skipped:
-            self._skipped += 1
-            return None
-        return optimizer.step(*args, **kwargs)
-
-    def _step_unscaled(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        self._steps += 1
-        if self._check_finite:
-            state = self._state(optimizer)
-            found = self._unscale_grads(optimizer, None, allow_fp16=True)
-            skipped = bool(found) and bool(self._total(found, next(iter(found))).item())
-            state.found_host = skipped
-            self._last_skipped = skipped
-            if skipped:
-                self._skipped += 1
-                return None
+            self._updates += 1
+            if any(self._host_found.values()):
+                self._overflows += 1
+                self._last_overflow = index
+            self._host_found = {}
+            return
+        scale, _ = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            value = _check_new_scale(new_scale, scale.device)
+            super().update(value)
+            self._mirror = None if isinstance(value, torch.Tensor) else (_f32(value), self._tracker_mirror())
         else:
-            self._last_skipped = False
-        return optimizer.step(*args, **kwargs)
+            states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+            host = [self._host_found.get(k) for k, s in self._per_optimizer_states.items() if s["found_inf_per_device"]]
+            device_flag = None
+            if states and any(h is None for h in host):
+                device_flag = torch.stack([_sum_on(s["found_inf_per_device"], scale.device) for s in states]).sum() > 0
+            try:
+                super().update()
+            except AssertionError as exc:  # torch's message for a missing step()
+                raise RuntimeError(f"{exc} Call scaler.step(optimizer) before update().") from None
+            if device_flag is None:
+                self._record_update(any(host), index)
+            else:
+                self._mirror = None
+                self._count_on_device("overflows", device_flag)
+                last = self._device_counts.get("last_overflow", torch.full((), -1, dtype=torch.int64, device=scale.device))
+                self._device_counts["last_overflow"] = torch.where(device_flag, torch.full_like(last, index), last)
+                if (index + 1) % _LOW_SCALE_CHECK_EVERY == 0:
+                    self._warn_if_low(float(scale.item()))
+        self._host_found = {}
+        self._updates += 1
 
-    @staticmethod
-    def _total(found: dict[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
-        if not found:
-            raise RuntimeError("no inf checks were recorded for this optimizer: do its parameters have gradients?")
-        tensors = [t.to(device, non_blocking=True) for t in found.values()]
-        return tensors[0] if len(tensors) == 1 else torch.stack(tensors).sum()
+    def _tracker_mirror(self) -> int:
+        return self._mirror[1] if self._mirror is not None else self._get_growth_tracker()
 
     def _count_on_device(self, key: str, flag: torch.Tensor) -> None:
         count = self._device_counts.get(key)
         self._device_counts[key] = flag.to(torch.int64) if count is None else count + flag
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Back the scale off after an overflow, grow it after ``growth_interval`` clean steps."""
-        states = list(self._states.values())
-        index = self._updates
-        if not self._enabled:
-            self._states = {}
-            self._updates += 1
-            if any(s.found_host for s in states):
-                self._overflows += 1
-                self._last_overflow = index
-            return
-        scale = self._require_scale("update")
-        tracker = self._growth_tracker
-        assert tracker is not None
-        if new_scale is not None:
-            if isinstance(new_scale, torch.Tensor):
-                if new_scale.numel() != 1 or new_scale.requires_grad:
-                    raise ValueError("new_scale must be a float or a one-element tensor that does not require grad")
-                scale.copy_(new_scale.reshape(()))
-                self._mirror = None
-            else:
-                scale.fill_(float(new_scale))
-                if self._mirror is not None:
-                    self._mirror = (_f32(float(new_scale)), self._mirror[1])
-            self._scale_copies = {}
-            self._states = {}
-            self._updates += 1
-            return
-        found = [t for s in states for t in s.found_inf.values()]
-        if not found:
-            raise RuntimeError("update() found no inf checks: call scaler.step(optimizer) before update().")
-        self._states = {}
-        self._updates += 1
-        combined = found[0].to(scale.device, non_blocking=True)
-        for extra in found[1:]:
-            combined = combined + extra.to(scale.device, non_blocking=True)
-        torch._amp_update_scale_(
-            scale, tracker, combined, self._growth_factor, self._backoff_factor, self._growth_interval
-        )
-        self._scale_copies = {}
-        known = [s.found_host for s in states]
-        if all(k is not None for k in known):
-            self._record_update(any(known), index)
-        else:
-            self._mirror = None
-            flag = combined > 0
-            self._count_on_device("overflows", flag)
-            last = self._device_counts.get("last_overflow", torch.full((), -1, dtype=torch.int64, device=flag.device))
-            self._device_counts["last_overflow"] = torch.where(flag, torch.full_like(last, index), last)
 
     def _record_update(self, overflow: bool, index: int) -> None:
         if overflow:
@@ -444,10 +439,13 @@ class GradScaler:
         else:
             tracker += 1
         self._mirror = (value, tracker)
+        self._warn_if_low(value)
+
+    def _warn_if_low(self, value: float) -> None:
         if value < 1.0 and not self._warned_low_scale:
             self._warned_low_scale = True
             warnings.warn(
-                f"GradScaler: the loss scale fell to {value:g} after {self._overflows} overflows. "
+                f"GradScaler: the loss scale fell to {value:g} after {self.stats.overflows} overflows. "
                 "Scaling cannot fix gradients that are inf/NaN at any scale: the loss or the model "
                 "itself is producing NaN/inf (a learning rate too high, log/div of zero, or bf16-"
                 "pretrained weights that overflow float16; try bfloat16).",
@@ -455,7 +453,7 @@ class GradScaler:
                 stacklevel=3,
             )
 
-    # -- signals and stats ------------------------------------------------------------
+    # -- signals and stats ----------------------------------------------------------------
     @property
     def last_step_skipped(self) -> bool:
         """Whether the most recent ``step()`` skipped ``optimizer.step()`` (inf/NaN gradients).
@@ -470,17 +468,14 @@ class GradScaler:
     def stats(self) -> ScalerStats:
         """Steps, skipped steps, overflows, scale and last overflow; read without a device
         sync except after fused-optimizer steps, whose counters live on the device."""
-        device_skipped = self._device_counts.get("skipped")
-        device_overflows = self._device_counts.get("overflows")
-        skipped = self._skipped + (int(device_skipped.item()) if device_skipped is not None else 0)
-        overflows = self._overflows + (int(device_overflows.item()) if device_overflows is not None else 0)
-        last = self._last_overflow
-        if "last_overflow" in self._device_counts:
-            device_last = int(self._device_counts["last_overflow"].item())
-            last = max(last if last is not None else -1, device_last)
-            last = None if last < 0 else last
+        counts = {k: int(v.item()) for k, v in self._device_counts.items()}
+        skipped = self._skipped + counts.get("skipped", 0)
+        overflows = self._overflows + counts.get("overflows", 0)
+        last = max(self._last_overflow if self._last_overflow is not None else -1, counts.get("last_overflow", -1))
         if not self._enabled:
             scale = 1.0
+        elif self._scale is None:
+            scale = self._init_scale  # what get_scale() says before the first scale()
         elif self._mirror is not None:
             scale = self._mirror[0]
         else:
@@ -490,58 +485,22 @@ class GradScaler:
             skipped=skipped,
             overflows=overflows,
             scale=scale,
-            last_overflow_step=last,
+            last_overflow_step=None if last < 0 else last,
             updates=self._updates,
         )
 
-    # -- getters, setters and state ---------------------------------------------------
-    def get_scale(self) -> float:
-        """The current scale as a Python float (a device sync); 1.0 when disabled."""
-        if not self._enabled:
-            return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
-
-    def is_enabled(self) -> bool:
-        """Whether the scaler scales (False for bf16 or ``enabled=False``)."""
-        return self._enabled
-
-    def get_growth_factor(self) -> float:
-        return self._growth_factor
-
+    # -- setters and state ----------------------------------------------------------------
     def set_growth_factor(self, new_factor: float) -> None:
         _check_factors(1.0, new_factor, 0.5, 1, ValueError)
-        self._growth_factor = float(new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return self._backoff_factor
+        super().set_growth_factor(float(new_factor))
 
     def set_backoff_factor(self, new_factor: float) -> None:
         _check_factors(1.0, 2.0, new_factor, 1, ValueError)
-        self._backoff_factor = float(new_factor)
-
-    def get_growth_interval(self) -> int:
-        return self._growth_interval
+        super().set_backoff_factor(float(new_factor))
 
     def set_growth_interval(self, new_interval: int) -> None:
         _check_factors(1.0, 2.0, 0.5, new_interval, ValueError)
-        self._growth_interval = int(new_interval)
-
-    def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state, with the keys and values of ``torch.amp.GradScaler``'s."""
-        if not self._enabled:
-            return {}
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._growth_factor,
-            "backoff_factor": self._backoff_factor,
-            "growth_interval": self._growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
-        }
+        super().set_growth_interval(int(new_interval))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state_dict from this scaler or ``torch.amp.GradScaler``; a malformed one
@@ -549,20 +508,59 @@ class GradScaler:
         if not self._enabled:
             return
         values = validate_state_dict(state_dict)
-        self._init_scale = values["scale"]
-        self._growth_factor = values["growth_factor"]
-        self._backoff_factor = values["backoff_factor"]
-        self._growth_interval = values["growth_interval"]
-        self._init_growth_tracker = values["_growth_tracker"]
-        if self._scale is not None:
-            self._scale.fill_(values["scale"])
-            assert self._growth_tracker is not None
-            self._growth_tracker.fill_(values["_growth_tracker"])
-        self._scale_copies = {}
+        super().load_state_dict(values)
         self._mirror = (_f32(values["scale"]), values["_growth_tracker"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        pg = self._process_group
+        if pg is not None and pg != "world":
+            raise TypeError(
+                "a GradScaler holding a process group object cannot be pickled: pickle its state_dict(), "
+                "or build it with process_group='world'."
+            )
+        state = super().__getstate__()
+        state["backend"] = self.backend.name  # resolved again from the registry on load
+        state["_mirror"] = (_f32(state["_init_scale"]), state["_init_growth_tracker"]) if self._enabled else None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from .registry import get
+
+        state = dict(state)
+        state["backend"] = get(state["backend"])
+        super().__setstate__(state)
 
     def __repr__(self) -> str:
         return f"<GradScaler backend={self.backend.name!r} enabled={self._enabled}>"
+
+
+def _dense_grad_holders(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` for ``torch.nn.utils.clip_grad_norm_``, which cannot measure sparse gradients:
+    each sparse (coalesced) gradient is stood in for by a holder whose ``.grad`` is an alias
+    of its values, so the norm counts each index once and the clip scales it in place."""
+    if not any(p.grad.is_sparse for p in params):
+        return params
+    holders = []
+    for p in params:
+        if p.grad.is_sparse:
+            values = p.grad._values()
+            holder = torch.empty_like(values)
+            holder.grad = values
+            p = holder
+        holders.append(p)
+    return holders
+
+
+def _check_new_scale(new_scale: Any, device: torch.device) -> float | torch.Tensor:
+    if isinstance(new_scale, torch.Tensor):
+        if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
+            raise ValueError(
+                "new_scale must be a positive number or a one-element floating-point tensor that "
+                f"does not require grad, got a tensor of shape {tuple(new_scale.shape)} and dtype {new_scale.dtype}"
+            )
+        return new_scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+    _check_factors(new_scale, 2.0, 0.5, 1, ValueError, what="new_scale")
+    return float(new_scale)
 
 
 def _check_factors(
@@ -571,18 +569,26 @@ def _check_factors(
     backoff_factor: float,
     growth_interval: int,
     error: Callable[[str], Exception],
+    what: str = "scale",
 ) -> None:
     def number(x: Any) -> bool:
         return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
 
     if not number(init_scale) or not float(init_scale) > 0:
-        raise error(f"scale must be a finite number > 0, got {init_scale!r}")
+        raise error(f"{what} must be a finite number > 0, got {init_scale!r}")
+    stored = _f32(float(init_scale))
+    if not (math.isfinite(stored) and stored > 0):
+        raise error(f"{what} {init_scale!r} does not fit a float32 (the scale tensor's dtype): it would be {stored!r}")
     if not number(growth_factor) or not float(growth_factor) > 1.0:
         raise error(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
     if not number(backoff_factor) or not 0.0 < float(backoff_factor) < 1.0:
         raise error(f"backoff_factor must be a number in (0, 1), got {backoff_factor!r}")
-    if not isinstance(growth_interval, numbers.Integral) or isinstance(growth_interval, bool) or growth_interval < 1:
-        raise error(f"growth_interval must be an integer >= 1, got {growth_interval!r}")
+    if (
+        not isinstance(growth_interval, numbers.Integral)
+        or isinstance(growth_interval, bool)
+        or not 1 <= growth_interval <= _INT32_MAX
+    ):
+        raise error(f"growth_interval must be an integer in [1, 2**31-1], got {growth_interval!r}")
 
 
 def validate_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -611,8 +617,11 @@ def validate_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
                 f"got {type(value).__name__} {value!r}"
             )
         values[key] = kind(value)
-    if values["_growth_tracker"] < 0:
-        raise StateDictError(f"GradScaler state_dict['_growth_tracker'] must be >= 0, got {values['_growth_tracker']}")
+    tracker = values["_growth_tracker"]
+    if not 0 <= tracker <= _INT32_MAX:
+        raise StateDictError(
+            f"GradScaler state_dict['_growth_tracker'] must be in [0, 2**31-1] (an int32), got {tracker}"
+        )
     _check_factors(
         values["scale"], values["growth_factor"], values["backoff_factor"], values["growth_interval"],
         lambda msg: StateDictError(f"GradScaler state_dict: {msg}"),

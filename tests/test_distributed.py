@@ -4,6 +4,7 @@ thread-local autocast, and torch.compile under the backend's autocast with the s
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -21,10 +22,11 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
-def torchrun(script: Path, *args: str, cwd: Path = HERE) -> subprocess.CompletedProcess:
+def torchrun(script: Path, *args: str, cwd: Path = HERE, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AMP_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env["AMP_BACKEND"] = "cpu"
     env["OMP_NUM_THREADS"] = "1"
+    env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
         capture_output=True, text=True, env=env, cwd=cwd, timeout=300,
@@ -59,6 +61,60 @@ def test_without_found_inf_sync_sharded_ranks_diverge(tmp_path):
     ranks = run_worker(tmp_path, "--mode", "sharded")
     assert ranks[0]["record"][3]["skipped"] is False and ranks[1]["record"][3]["skipped"] is True
     assert not ranks[0]["identical_across_ranks"]
+
+
+def run_parity(tmp_path: Path, *args: str, env_extra: dict | None = None) -> list[dict]:
+    proc = torchrun(HERE / "dist_parity_worker.py", "--out", str(tmp_path), *args, env_extra=env_extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_parity(ranks: list[dict], grad_type: str, bitwise: bool, kernel: str = "torch") -> None:
+    for r in ranks:
+        assert r["grad_type"] == grad_type and r["kernel"] == kernel
+        ours, ref = r["ours"], r["torch"]
+        assert [e["skipped"] for e in ours] == [e["step"] == 3 for e in ours], "every rank skips the injected step"
+        assert ours[3]["scale"] == ours[3]["scale_before"] / 2, "and backs off"
+        assert [e["scale"] for e in ours] == [e["scale"] for e in ref]
+        assert r["stats"] == {"skipped": 1, "overflows": 1}
+        for a, b in zip(ours, ref):
+            if b["step"] == 3:
+                assert math.isinf(a["norm"]) and math.isinf(b["norm"])
+                continue
+            assert a["norm"] == pytest.approx(b["global_norm"], rel=1e-6), "the clip measured the global norm"
+            assert (a["norm"] == b["norm"]) if bitwise else a["norm"] == pytest.approx(b["norm"], rel=1e-6)
+        assert r["params_equal"] if bitwise else r["params_max_diff"] < 1e-6
+        assert r["identical_across_ranks"]
+    assert ranks[0]["ours"] == ranks[1]["ours"]
+
+
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+needs_cpu_fsdp2 = pytest.mark.skipif(
+    _TORCH < (2, 6), reason="FSDP2 on CPU (gloo) needs torch 2.6+: torch 2.4's fully_shard creates CUDA streams"
+)
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_scaler_and_clip_match_torch_bitwise(tmp_path):
+    """fully_shard, fp16 autocast, inf in one rank's shard: both ranks skip, clip uses the global norm."""
+    _check_parity(run_parity(tmp_path, "--wrap", "fsdp2"), "DTensor", bitwise=True)
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_fused_optimizer_clip_folded_into_grad_scale(tmp_path):
+    _check_parity(run_parity(tmp_path, "--wrap", "fsdp2", "--fused"), "DTensor", bitwise=False)
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_with_the_triton_kernel_hands_dtensor_shards_to_torch(tmp_path):
+    """The Triton kernel (interpreted on CPU) never reads a DTensor's data_ptr: results equal torch's."""
+    pytest.importorskip("triton")
+    env = {"TRITON_INTERPRET": "1", "AMP_BACKENDS_KERNEL": "triton"}
+    _check_parity(run_parity(tmp_path, "--wrap", "fsdp2", env_extra=env), "DTensor", bitwise=True, kernel="triton")
+
+
+def test_ddp_gradient_as_bucket_view_matches_torch_bitwise(tmp_path):
+    _check_parity(run_parity(tmp_path, "--wrap", "ddp-buckets"), "Tensor", bitwise=True)
 
 
 def test_ddp_example_under_torchrun():

@@ -224,7 +224,7 @@ def test_misuse_raises_clear_errors():
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match="already been called"):
         scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match="closure"):
+    with pytest.raises(RuntimeError, match="(?i)closure"):
         scaler.step(opt, closure=lambda: 0)
     scaler.step(opt)
     with pytest.raises(RuntimeError, match="after step"):
@@ -232,7 +232,7 @@ def test_misuse_raises_clear_errors():
     with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
         scaler.step(opt)
     scaler.update()
-    with pytest.raises(RuntimeError, match="no inf checks"):
+    with pytest.raises(RuntimeError, match="(?i)no inf checks"):
         scaler.update()
     half = torch.nn.Linear(2, 1).half()
     hopt = torch.optim.SGD(half.parameters(), lr=0.1)
@@ -260,7 +260,7 @@ def test_scale_nested_outputs_and_manual_update():
     assert isinstance(out, list) and isinstance(out[1], tuple)
     assert out[0].tolist() == [4.0, 4.0] and out[1][1].item() == 12.0
     assert [t.item() for t in scaler.scale(iter([c]))] == [12.0]
-    with pytest.raises(ValueError, match="takes a tensor"):
+    with pytest.raises(ValueError, match="must be a Tensor or an iterable"):
         scaler.scale([1.0])
     scaler.update(16.0)
     assert scaler.get_scale() == 16.0

@@ -32,6 +32,7 @@ class TritonKernel(Kernel):
 
     name = "triton"
     priority = 10
+    one_pass_norm = True
 
     def __init__(self) -> None:
         self._impl: Any = None

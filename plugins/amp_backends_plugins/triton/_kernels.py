@@ -114,10 +114,14 @@ def _block_table(
     return table
 
 
-def _split(grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[int], list[torch.Tensor]]:
-    """One pass: dense gradients with their addresses and sizes, and the rest (empty ones dropped)."""
-    dense, ptrs, numels, other = [], [], [], []
+def _split(grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """One pass: dense gradients with their addresses and sizes, strided ones, and tensor
+    subclasses (DTensor shards of FSDP2, whose ``data_ptr()`` is 0); empty ones dropped."""
+    dense, ptrs, numels, strided, wrapped = [], [], [], [], []
     for g in grads:
+        if type(g) is not torch.Tensor:
+            wrapped.append(g)
+            continue
         n = g.numel()
         if n == 0:
             continue
@@ -127,8 +131,8 @@ def _split(grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]
             ptrs.append(ptr)
             numels.append(n)
         else:
-            other.append(g)
-    return dense, ptrs, numels, other
+            strided.append(g)
+    return dense, ptrs, numels, strided, wrapped
 
 
 def _fallback(
@@ -150,6 +154,24 @@ def _fallback(
         add_sum_of_squares(grads, norm_sq)
 
 
+def _torch_ops(
+    grads: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: torch.Tensor | None,
+    norm_sq: torch.Tensor | None,
+) -> None:
+    """Tensor subclasses go to torch's op, whose dispatch (DTensor's) handles them and
+    reduces found_inf over the mesh; a read-only check is torch's unscale by 1."""
+    if not grads:
+        return
+    if inv_scale is None:
+        TORCH_KERNEL.check_(grads, found_inf)
+    else:
+        TORCH_KERNEL.unscale_and_check_(grads, found_inf, inv_scale)
+    if norm_sq is not None:
+        add_sum_of_squares(grads, norm_sq)
+
+
 def run(
     grads: Sequence[torch.Tensor],
     found_inf: torch.Tensor,
@@ -158,7 +180,8 @@ def run(
     norm_sq: torch.Tensor | None,
 ) -> None:
     """One launch over every dense gradient of one (device, dtype) group; torch for the rest."""
-    dense, ptrs, numels, other = _split(grads)
+    dense, ptrs, numels, other, wrapped = _split(grads)
+    _torch_ops(wrapped, found_inf, inv_scale if write else None, norm_sq)
     _fallback(other, found_inf, inv_scale, write, norm_sq)
     if not dense:
         return

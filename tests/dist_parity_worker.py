@@ -1,0 +1,131 @@
+"""A torchrun worker (2 CPU ranks, gloo) that trains two identical models side by side, one
+with ``amp_backends.GradScaler`` and ``scaler.clip_grad_norm_``, one with ``torch.amp.GradScaler``
+and torch's clip recipe (``unscale_`` then ``torch.nn.utils.clip_grad_norm_``), and records both.
+
+--wrap fsdp2:        ``torch.distributed.fsdp.fully_shard``; gradients are DTensor shards.
+--wrap ddp-buckets:  DDP with ``gradient_as_bucket_view=True``; gradients are views into buckets.
+--fused:             AdamW(fused=True): the scaler's clip is folded into the optimizer's grad_scale.
+
+At --inject-step, inf enters rank --inject-rank's own gradient (its shard, or its local
+gradient before DDP's all-reduce): every rank must skip that step and back off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import amp_backends
+from amp_backends import distributed
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--wrap", choices=["fsdp2", "ddp-buckets"], required=True)
+parser.add_argument("--fused", action="store_true")
+parser.add_argument("--inject-rank", type=int, default=1)
+parser.add_argument("--inject-step", type=int, default=3)
+parser.add_argument("--steps", type=int, default=7)
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+info = distributed.init_process_group("cpu")
+be = info.backend
+state = {"step": -1}
+
+
+def build(seed_offset: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 37), torch.nn.ReLU(),
+                                torch.nn.Linear(37, 2))
+    first = model[0].weight
+    if args.wrap == "fsdp2":
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer)
+        fully_shard(model)
+        return model, model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if info.rank == args.inject_rank:  # before DDP's all-reduce: only this rank's gradient is inf
+        first.register_hook(lambda g: torch.full_like(g, math.inf) if state["step"] == args.inject_step else g)
+    return DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=1), model
+
+
+def inject(model: torch.nn.Module) -> None:
+    if args.wrap != "fsdp2" or info.rank != args.inject_rank or state["step"] != args.inject_step:
+        return
+    local = model[0].weight.grad.to_local()
+    local.view(-1)[0] = math.inf  # this rank's shard only
+
+
+def global_norm(model: torch.nn.Module) -> float:
+    total = 0.0
+    for p in model.parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        total += float(g.double().pow(2).sum())
+    return math.sqrt(total)
+
+
+g = torch.Generator().manual_seed(100 + info.rank)
+batches = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(args.steps)]
+runs = {}
+for name in ("ours", "torch"):
+    net, inner = build()
+    opt = torch.optim.AdamW(inner.parameters(), lr=1e-2, fused=args.fused)
+    if name == "ours":
+        scaler = amp_backends.GradScaler(be, init_scale=2.0**12, growth_interval=3)
+        assert scaler._device == "cpu" and isinstance(scaler, torch.amp.GradScaler)
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    record = []
+    for step, (x, y) in enumerate(batches):
+        state["step"] = step
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(net(x).float(), y)
+        scaler.scale(loss).backward()
+        inject(inner)
+        grad_type = type(inner[0].weight.grad).__name__
+        scale_before = scaler.get_scale()
+        if name == "ours":
+            norm = scaler.clip_grad_norm_(opt, 0.05)
+        else:
+            scaler.unscale_(opt)
+            unscaled_norm = global_norm(inner)
+            norm = torch.nn.utils.clip_grad_norm_(inner.parameters(), 0.05)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        scaler.step(opt)
+        scaler.update()
+        entry = {"step": step, "norm": float(norm), "scale": scaler.get_scale(), "scale_before": scale_before}
+        if name == "ours":
+            entry["skipped"] = scaler.last_step_skipped
+        else:
+            entry["global_norm"] = unscaled_norm
+        record.append(entry)
+    flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten() for p in inner.parameters()])
+    runs[name] = (record, flat, scaler)
+
+ours_record, ours_params, ours_scaler = runs["ours"]
+ref_record, ref_params, _ = runs["torch"]
+gathered = [torch.empty_like(ours_params) for _ in range(info.world_size)]
+dist.all_gather(gathered, ours_params)
+Path(args.out, f"rank{info.rank}.json").write_text(json.dumps({
+    "rank": info.rank,
+    "grad_type": grad_type,
+    "kernel": be.kernel.name,
+    "ours": ours_record,
+    "torch": ref_record,
+    "params_equal": bool(torch.equal(ours_params, ref_params)),
+    "params_max_diff": float((ours_params - ref_params).abs().max()),
+    "identical_across_ranks": all(torch.equal(gathered[0], t) for t in gathered),
+    "stats": {"skipped": ours_scaler.stats.skipped, "overflows": ours_scaler.stats.overflows},
+}))
+distributed.destroy_process_group()
