@@ -8,13 +8,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import UnsupportedDtypeError
+import warnings
+
+from .errors import PerformanceWarning, UnsupportedDtypeError
 from .kernels import Kernel
 
 if TYPE_CHECKING:
     from .scaler import GradScaler
 
 __all__ = ["Backend", "group_by_device_and_dtype"]
+
+#: (backend name, dtype) pairs already warned about: once per process each.
+_WARNED_EMULATED: set[tuple[str, torch.dtype]] = set()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -73,6 +78,34 @@ class Backend:
             dtypes += [d for d in query() if d not in dtypes]
         return tuple(dtypes)
 
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The supported autocast dtypes whose math the device runs natively (default: all).
+
+        A dtype that is supported but not native works, emulated, and is usually slower
+        than float32: entering autocast in it warns with :class:`PerformanceWarning`.
+        """
+        return self.supported_dtypes()
+
+    def emulation_reason(self, dtype: torch.dtype) -> str:
+        """What the device lacks for ``dtype`` to be native (shown in the warning and ``info``)."""
+        return f"backend {self.name!r} reports no native {_dtype_name(dtype)} math on this device"
+
+    def warn_if_emulated(self, dtype: torch.dtype, enabled: bool = True) -> None:
+        """Warn once per process (per backend and dtype) when ``dtype`` runs emulated here."""
+        if not enabled or (self.name, dtype) in _WARNED_EMULATED or dtype in self.native_dtypes():
+            return
+        _WARNED_EMULATED.add((self.name, dtype))
+        name = _dtype_name(dtype)
+        warnings.warn(
+            f"{name} autocast on {self.name} is emulated: {self.emulation_reason(dtype)}. Matrix math in "
+            f"{name} will run slower than float32 here (often many times slower); activation memory is still "
+            f"about halved. To train faster, use float32 (autocast(enabled=False), `amp-backends demo --no-amp`) "
+            f"or a dtype this device runs natively ({', '.join(map(_dtype_name, self.native_dtypes())) or 'none'}). "
+            "Silence with warnings.filterwarnings('ignore', category=amp_backends.PerformanceWarning).",
+            PerformanceWarning,
+            stacklevel=3,
+        )
+
     def resolve_dtype(self, dtype: torch.dtype | str | None = None) -> torch.dtype:
         """Return ``dtype`` (or the default) after checking the backend supports it."""
         if dtype is None:
@@ -105,10 +138,15 @@ class Backend:
         enabled: bool = True,
         cache_enabled: bool | None = None,
     ) -> torch.autocast:
-        """Autocast for this device; a context manager that also works as a decorator."""
+        """Autocast for this device; a context manager that also works as a decorator.
+
+        Warns once (:class:`PerformanceWarning`) when the dtype is emulated on this device.
+        """
+        resolved = self.resolve_dtype(dtype)
+        self.warn_if_emulated(resolved, enabled)
         return torch.autocast(
             self.device_type,
-            dtype=self.resolve_dtype(dtype),
+            dtype=resolved,
             enabled=enabled,
             cache_enabled=cache_enabled,
         )

@@ -13,8 +13,8 @@ import datetime
 import json
 import platform
 import statistics
-import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import Backend
-from .errors import AmpBackendsError
+from .errors import AmpBackendsError, PerformanceWarning
 from .registry import get
 
 
@@ -141,6 +141,7 @@ def run(backend: str | None, rounds: int, warmup: int, scale: float) -> dict[str
                 "amp_mem_mb": memory[d][0] / 2**20,
                 "mem_saving_pct": 100 * (1 - memory[d][0] / memory[None][0]) if memory[None][0] else 0.0,
                 "memory_kind": memory[d][1],
+                "native": d in be.native_dtypes(),
             })
     device_name = torch.cuda.get_device_name() if be.device_type == "cuda" else f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
     return {
@@ -150,22 +151,52 @@ def run(backend: str | None, rounds: int, warmup: int, scale: float) -> dict[str
         "date": datetime.date.today().isoformat(),
         "rounds": rounds,
         "rows": rows,
+        "recommendations": recommend(rows),
     }
 
 
+def recommend(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per model: the fastest way to train it here (float32 or an AMP dtype), and the memory each AMP dtype saves."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        best = max(mine, key=lambda r: r["speedup"])
+        fastest = best["dtype"] if best["speedup"] > 1.0 else "float32"
+        out.append({
+            "model": model,
+            "fastest": fastest,
+            "speedup": best["speedup"] if fastest != "float32" else 1.0,
+            "mem_saving_pct": {r["dtype"]: r["mem_saving_pct"] for r in mine},
+        })
+    return out
+
+
 def render(result: dict[str, Any]) -> str:
-    lines = [
+    from .console import render_table
+
+    rows = [
+        [r["model"], r["dtype"], "yes" if r["native"] else "no", f"{r['fp32_ms']:.2f}", f"{r['amp_ms']:.2f}",
+         f"{r['speedup']:.2f}x", f"{r['mem_saving_pct']:.1f}%"]
+        for r in result["rows"]
+    ]
+    table = render_table(["model", "AMP dtype", "native", "FP32 step ms", "AMP step ms", "speedup", "peak-mem saving"],
+                         rows, markdown=True, right=(3, 4, 5, 6))
+    advice = []
+    for rec in result["recommendations"]:
+        savings = ", ".join(f"{d} saves {p:.0f}%" for d, p in rec["mem_saving_pct"].items())
+        if rec["fastest"] == "float32":
+            advice.append(f"  {rec['model']}: float32 is fastest here (AMP is slower on this device); memory: {savings}")
+        else:
+            advice.append(f"  {rec['model']}: {rec['fastest']} ({rec['speedup']:.2f}x faster than float32); memory: {savings}")
+    return "\n".join([
         f"amp-backends bench: backend {result['backend']} on {result['device']}, torch {result['torch']}, {result['date']}",
         f"medians of {result['rounds']} interleaved steps after warm-up; memory: {result['rows'][0]['memory_kind'] if result['rows'] else '-'}",
         "",
-        f"| {'model':<11} | {'AMP dtype':<9} | {'FP32 step ms':>12} | {'AMP step ms':>11} | {'speedup':>7} | {'peak-mem saving':>15} |",
-        f"|{'-' * 13}|{'-' * 11}|{'-' * 14}|{'-' * 13}|{'-' * 9}|{'-' * 17}|",
-    ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['model']:<11} | {r['dtype']:<9} | {r['fp32_ms']:12.2f} | {r['amp_ms']:11.2f} | {r['speedup']:6.2f}x | {r['mem_saving_pct']:14.1f}% |"
-        )
-    return "\n".join(lines)
+        table,
+        "",
+        "Recommendation (fastest here, per model):",
+        *advice,
+    ])
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -190,14 +221,11 @@ def plot(result: dict[str, Any], path: str) -> None:
 
 
 def main(backend: str | None, rounds: int, warmup: int, scale: float, as_json: bool, plot_path: str | None) -> int:
-    try:
-        if rounds < 1 or warmup < 0 or not scale > 0:
-            raise AmpBackendsError("--rounds must be >= 1, --warmup >= 0 and --scale > 0")
+    """Run and print the bench (the CLI has checked the arguments)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerformanceWarning)  # the table says which dtypes are native
         result = run(backend, rounds, warmup, scale)
-        if plot_path:
-            plot(result, plot_path)
-    except AmpBackendsError as exc:
-        print(f"amp-backends bench: error: {exc}", file=sys.stderr)
-        return 2
+    if plot_path:
+        plot(result, plot_path)
     print(json.dumps(result, indent=2) if as_json else render(result))
     return 0

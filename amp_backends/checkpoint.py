@@ -1,13 +1,18 @@
-"""Training checkpoints: model, optimizer and scaler in one file, written atomically.
+"""Training checkpoints: model, optimizer and scaler in one file, checksummed, written atomically.
 
-``save`` writes to a temporary file in the same folder and renames it over the target,
-so a crash never leaves a half-written checkpoint. ``load`` reads with
-``torch.load(weights_only=True)`` and turns every way a file can be wrong (truncated,
-not a checkpoint, another program's, another format version) into one CheckpointError.
+File layout: one header line ``amp-backends-checkpoint 2 <sha256 of the rest>\\n``, then the
+``torch.save`` payload. ``save`` writes to a temporary file in the same folder and renames it
+over the target, so a crash never leaves a half-written checkpoint; temporary files left by a
+killed save are removed by the next save to the same target; the file's mode follows the umask
+as any new file's does. ``load`` verifies the checksum before unpickling (with
+``torch.load(weights_only=True)``) and turns every way a file can be wrong into one
+CheckpointError that names the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import tempfile
 from collections.abc import Mapping
@@ -19,26 +24,67 @@ import torch
 from .errors import AmpBackendsError
 
 FORMAT = "amp-backends-checkpoint"
-VERSION = 1
+VERSION = 2
+_MAGIC = FORMAT.encode()
 
-__all__ = ["CheckpointError", "save", "load"]
+__all__ = ["CheckpointError", "check_destination", "load", "save"]
 
 
 class CheckpointError(AmpBackendsError, ValueError):
-    """A checkpoint that cannot be used."""
+    """A checkpoint that cannot be used, or a place a checkpoint cannot be written."""
+
+
+def _temp_prefix(target: Path) -> str:
+    return f".{target.name}."
+
+
+def check_destination(path: str | os.PathLike[str]) -> Path:
+    """Make sure a checkpoint can be written at ``path`` (before any training is spent)."""
+    target = Path(path)
+    if not str(path):
+        raise CheckpointError("the checkpoint path is empty: give a file name")
+    if target.is_dir():
+        raise CheckpointError(f"{target} is a directory: give a file name inside it, e.g. {target / 'demo.ckpt'}")
+    parent = target.parent
+    for ancestor in (parent, *parent.parents):
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise CheckpointError(f"cannot write {target}: {ancestor} is a file, not a directory")
+            break
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {target}: {exc.strerror or exc}") from None
+    return target
+
+
+def _umask_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def save(path: str | os.PathLike[str], state: Mapping[str, Any], kind: str) -> Path:
     """Write ``state`` (tensors, numbers, strings, dicts, lists) to ``path`` atomically."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": FORMAT, "version": VERSION, "kind": kind, **state}
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    for stale in target.parent.glob(f"{_temp_prefix(target)}*.tmp"):  # left by a killed save
+        stale.unlink(missing_ok=True)
+    buffer = io.BytesIO()
+    torch.save({"format": FORMAT, "version": VERSION, "kind": kind, **state}, buffer)
+    body = buffer.getvalue()
+    header = b"%s %d %s\n" % (_MAGIC, VERSION, hashlib.sha256(body).hexdigest().encode())
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            torch.save(payload, fh)
+            fh.write(header)
+            fh.write(body)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -49,22 +95,32 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], kind: str) -> P
 def load(path: str | os.PathLike[str], kind: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save` for ``kind``; raise CheckpointError if it is unusable."""
     source = Path(path)
+    if not str(path):
+        raise CheckpointError("the checkpoint path is empty: give the file to resume from")
     if not source.is_file():
         raise CheckpointError(f"{source}: no such checkpoint file")
-    try:
-        payload = torch.load(source, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        detail = f"{type(exc).__name__}: {first.split('. ')[0][:160]}"
+    data = source.read_bytes()
+    header, newline, body = data.partition(b"\n")
+    parts = header.split(b" ")
+    if not newline or len(parts) != 3 or parts[0] != _MAGIC:
+        raise CheckpointError(f"{source} is not an amp-backends checkpoint (no checkpoint header)")
+    if parts[1] != str(VERSION).encode():
         raise CheckpointError(
-            f"{source} is not a readable checkpoint (truncated, or not written by torch.save): {detail}"
-        ) from None
+            f"{source} has checkpoint format version {parts[1].decode(errors='replace')!r}; "
+            f"this amp-backends reads version {VERSION}"
+        )
+    if hashlib.sha256(body).hexdigest().encode() != parts[2]:
+        raise CheckpointError(
+            f"{source} is corrupt: its contents do not match the checksum written with them (the file was "
+            "damaged or truncated after saving); resume from another checkpoint or start afresh"
+        )
+    try:
+        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable payload gets the same clear message
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(f"{source} is not a readable checkpoint: {type(exc).__name__}: {first[:160]}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{source} is not an amp-backends checkpoint (it holds {type(payload).__name__} data)")
-    if payload.get("version") != VERSION:
-        raise CheckpointError(
-            f"{source} has checkpoint format version {payload.get('version')!r}; this amp-backends reads version {VERSION}"
-        )
     if payload.get("kind") != kind:
         raise CheckpointError(f"{source} is a {payload.get('kind')!r} checkpoint, not {kind!r}")
     missing = [k for k in required if k not in payload]

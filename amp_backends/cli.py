@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import AmpBackendsError
+
+_DEMO_EPOCHS = 8  # DemoConfig's default (demo is imported only when it runs)
+
+
+class CLIError(AmpBackendsError):
+    """A command-line value that cannot work; reported in one line, before any work."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): ``amp-backends demo: error: ...``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="amp-backends", description="Mixed precision on every PyTorch device.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="amp-backends", description="Mixed precision on every PyTorch device.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     info = sub.add_parser("info", help="list backends: available or why not, dtypes, kernel, plugin")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.add_argument("-v", "--verbose", action="store_true", help="also list every plugin")
@@ -17,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="train a small CNN on 8x8 digits with AMP on the best device")
     demo.add_argument("--backend", help="backend name (default: best available, or $AMP_BACKEND)")
     demo.add_argument("--dtype", help="autocast dtype, e.g. float16 or bfloat16 (default: the backend's)")
-    demo.add_argument("--epochs", type=int, default=15)
+    demo.add_argument("--epochs", type=int, default=_DEMO_EPOCHS)
     demo.add_argument("--batch-size", type=int, default=64)
     demo.add_argument("--lr", type=float, default=2e-3)
     demo.add_argument("--no-amp", action="store_true", help="train in fp32 (for comparison)")
@@ -31,14 +48,39 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", help="backend name (default: best available)")
     bench.add_argument("--rounds", type=int, default=20, help="timed steps per configuration")
     bench.add_argument("--warmup", type=int, default=3)
-    bench.add_argument("--scale", type=float, default=1.0, help="model and batch size factor (0.25 for a quick run)")
+    bench.add_argument("--scale", type=float, default=1.0,
+                       help="model and batch size factor, in (0, 8] (0.25 for a quick run)")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", metavar="PNG", help="also draw the table (needs matplotlib)")
     return parser
 
 
+def _check_plot_path(path: str) -> None:
+    target = Path(path)
+    if not path or target.is_dir():
+        raise CLIError(f"--plot needs a PNG file name, got {path!r}")
+    if not target.parent.is_dir():
+        raise CLIError(f"--plot: the folder {str(target.parent)!r} does not exist")
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CLIError("--plot needs matplotlib: pip install 'amp-backends[plot]'")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; bad input is one line on stderr and exit status 2, never a traceback."""
     args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (AmpBackendsError, OSError) as exc:
+        print(f"amp-backends {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"amp-backends {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "info":
         from . import info
 
@@ -54,6 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return demo_main(cfg, as_json=args.json)
     if args.command == "bench":
+        if args.rounds < 1 or args.warmup < 0:
+            raise CLIError(f"--rounds must be >= 1 and --warmup >= 0, got {args.rounds} and {args.warmup}")
+        if not (math.isfinite(args.scale) and 0 < args.scale <= 8):
+            raise CLIError(f"--scale must be in (0, 8], got {args.scale:g}")
+        if args.plot is not None:
+            _check_plot_path(args.plot)
         from .bench import main as bench_main
 
         return bench_main(args.backend, args.rounds, args.warmup, args.scale, args.json, args.plot)

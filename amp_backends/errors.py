@@ -32,3 +32,7 @@ class UnsupportedDtypeError(AmpBackendsError, ValueError):
 
 class StateDictError(AmpBackendsError, ValueError):
     """A GradScaler state_dict that cannot be loaded."""
+
+
+class PerformanceWarning(UserWarning):
+    """Mixed precision that will run slower here than float32 (an emulated dtype)."""

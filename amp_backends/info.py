@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import torch
@@ -24,9 +25,13 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             reason = f"unavailable_reason() raised {type(exc).__name__}: {exc}"
         try:
-            dtypes = [_dtype(d) for d in backend.supported_dtypes()]
+            supported = backend.supported_dtypes()
+            dtypes = [_dtype(d) for d in supported]
+            native = backend.native_dtypes() if reason is None else supported
+            native_names = [_dtype(d) for d in native]
+            emulated = {_dtype(d): backend.emulation_reason(d) for d in supported if d not in native}
         except Exception as exc:  # noqa: BLE001
-            dtypes = [f"error: {exc}"]
+            dtypes, native_names, emulated = [f"error: {exc}"], [], {}
         kernel_error = None
         try:
             kernel = backend.kernel.name
@@ -40,6 +45,8 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
                 "device_type": backend.device_type,
                 "default_dtype": _dtype(backend.default_dtype),
                 "supported_dtypes": dtypes,
+                "native_dtypes": native_names,
+                "emulated_dtypes": emulated,
                 "kernel": kernel,
                 "kernel_error": kernel_error,
                 "dist_backend": backend.dist_backend,
@@ -52,28 +59,34 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
     duplicates = {
         name: [f"{r.package} ({r.name})" for r in records] for name, records in registry.duplicates().items()
     }
+    best: str | None = None
+    env_error: str | None = None
     try:
-        best: str | None = registry.get().name
-    except Exception:  # noqa: BLE001
-        best = None
+        best = registry.get().name
+    except Exception as exc:  # noqa: BLE001
+        chosen = os.environ.get("AMP_BACKEND", "").strip()
+        if chosen and chosen.lower() != "auto":
+            env_error = f"AMP_BACKEND={chosen!r} cannot be used: {exc}"
+    from .hardware import cpu_summary
+
     return {
         "torch": torch.__version__,
+        "cpu": cpu_summary(),
         "best": best,
+        "env_error": env_error,
         "backends": rows,
         "duplicates": duplicates,
         "plugins": [r.as_dict() for r in registry.plugins()],
     }
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
 def render(data: dict[str, Any], verbose: bool = False) -> str:
     """The human-readable report."""
-    out = [f"torch {data['torch']}; best available backend: {data['best'] or 'none'}", ""]
+    from .console import render_table
+
+    out = [f"torch {data['torch']} ({data['cpu']}); best available backend: {data['best'] or 'none'}", ""]
+    if data["env_error"]:
+        out[0:0] = [f"error: {data['env_error']}", ""]
     rows = [
         [
             b["name"],
@@ -81,13 +94,17 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
             b["device_type"],
             b["default_dtype"],
             ",".join(b["supported_dtypes"]),
+            ",".join(b["native_dtypes"]) or "none",
             b["kernel"],
             b["dist_backend"],
             f"{b['package']} {b['version']}" + ("" if b["builtin"] else " (third-party)"),
         ]
         for b in data["backends"]
     ]
-    out.append(_table(["backend", "available", "device", "default", "dtypes", "kernel", "dist", "package"], rows))
+    out.append(render_table(["backend", "available", "device", "default", "dtypes", "native", "kernel", "dist", "package"], rows))
+    slow = [(b["name"], d, why) for b in data["backends"] if b["available"] for d, why in b["emulated_dtypes"].items()]
+    if slow:
+        out += ["", "Emulated (slower than float32 here):"] + [f"  {n} {d}: {why}" for n, d, why in slow]
     missing = [b for b in data["backends"] if not b["available"]]
     if missing:
         out += ["", "Why not available:"] + [f"  {b['name']}: {b['reason']}" for b in missing]
@@ -113,6 +130,7 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
 
 
 def main(as_json: bool = False, verbose: bool = False) -> int:
+    """Print the report; exit status 1 when AMP_BACKEND names a backend that cannot be used."""
     data = collect()
     print(json.dumps(data, indent=2) if as_json else render(data, verbose))
-    return 0
+    return 1 if data["env_error"] else 0

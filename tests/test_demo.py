@@ -26,10 +26,11 @@ def test_demo_default_reaches_digit_accuracy():
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["backend"] == "cpu" and out["dtype"] == "bfloat16" and out["amp"] is True
-    assert out["test_accuracy"] >= 0.95
+    assert out["test_accuracy"] >= 0.93
     assert out["train_loss"][-1] < out["train_loss"][0] / 10
     assert out["samples_per_second"] > 0 and out["peak_memory_bytes"] > 0
-    assert out["scaler"]["enabled"] is False and out["scaler"]["steps"] == 15 * 23
+    assert out["scaler"]["enabled"] is False and out["scaler"]["steps"] == 8 * 23
+    assert out["amp_speedup"] > 0 and set(out["native_dtypes"]) | set(out["emulated_dtypes"]) == {"bfloat16", "float16"}
 
 
 def test_demo_fp16_uses_the_scaler_and_shows_progress():
@@ -70,8 +71,15 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
         (["--backend", "cdu"], "Known backends: cpu, cuda"),
         (["--dtype", "float64"], "does not support autocast dtype float64"),
         (["--dtype", "fp8x"], "is not a torch dtype"),
-        (["--epochs", "0"], "--epochs must be at least 1"),
-        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--epochs", "0"], "--epochs must be between 1 and 10000"),
+        (["--batch-size", "0"], "--batch-size must be between 1 and 1000000"),
+        (["--seed", str(2**70)], "--seed must be between 0 and 2**32-1"),
+        (["--seed", "-1"], "--seed must be between 0 and 2**32-1"),
+        (["--lr", "1e300"], "--lr must be a number in (0, 10]"),
+        (["--lr", "nan"], "--lr must be a number in (0, 10]"),
+        (["--epochs", "two"], "argument --epochs: invalid int value: 'two'"),
+        (["--resume", ""], "--resume needs the path of a checkpoint"),
+        (["--checkpoint", ""], "the checkpoint path is empty"),
     ],
 )
 def test_bad_arguments_get_one_line_errors(args, message):
@@ -93,9 +101,9 @@ def test_bad_checkpoints_get_clear_errors(tmp_path):
     other_kind = tmp_path / "other.ckpt"
     checkpoint.save(other_kind, {"model": {}}, kind="something-else")
     cases = [
-        (truncated, [], "is not a readable checkpoint (truncated"),
-        (text, [], "is not a readable checkpoint"),
-        (foreign, [], "is not an amp-backends checkpoint"),
+        (truncated, [], "truncated.ckpt is corrupt: its contents do not match the checksum"),
+        (text, [], "notes.txt is not an amp-backends checkpoint (no checkpoint header)"),
+        (foreign, [], "foreign.pt is not an amp-backends checkpoint (no checkpoint header)"),
         (other_kind, [], "is a 'something-else' checkpoint"),
         (good, ["--dtype", "float16"], "was trained with dtype='torch.bfloat16' (this run: 'torch.float16')"),
         (good, ["--batch-size", "32"], "batch_size=64 (this run: 32)"),
@@ -159,7 +167,7 @@ def test_bench_table_json_and_plot(tmp_path):
 
 @pytest.mark.slow
 def test_demo_with_torch_compile():
-    proc = cli("demo", "--compile", "--epochs", "2", "--json")
+    proc = cli("demo", "--compile", "--epochs", "4", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["test_accuracy"] > 0.85 and out["dtype"] == "bfloat16"

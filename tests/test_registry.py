@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -257,7 +258,7 @@ def test_info_lists_backends_reasons_and_failed_plugins(tmp_path, acme_plugin):
     proc = run_python("from amp_backends.cli import main; main(['info'])", [acme_plugin, broken])
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
-    assert "cpu      yes" in text and "acme" in text and "acme-amp 1.0 (third-party)" in text
+    assert re.search(r"^cpu\s+yes\s", text, re.M) and "acme" in text and "acme-amp 1.0 (third-party)" in text
     assert "cuda" in text and "Why not available" in text
     assert "broken (broken-amp 1.0): failed: ValueError: bad build" in text
     assert "AMP_BACKENDS_DISABLE_PLUGINS=broken" in text

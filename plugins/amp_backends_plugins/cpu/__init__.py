@@ -1,10 +1,15 @@
-"""CPU backend: bf16 autocast by default (fp16 too), torch's CPU unscale kernel, Gloo."""
+"""CPU backend: bf16 autocast by default (fp16 too), torch's CPU unscale kernel, Gloo.
+
+Which of them run natively depends on the CPU (AVX512-BF16/AMX on x86, BF16 on aarch64):
+see :mod:`amp_backends.hardware`.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.hardware import cpu_native_dtypes, cpu_summary, missing_cpu_features
 
 
 class CPUBackend(Backend):
@@ -21,6 +26,14 @@ class CPUBackend(Backend):
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.bfloat16, torch.float16)
+
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        native = cpu_native_dtypes()
+        return tuple(d for d in self.supported_dtypes() if d in native)
+
+    def emulation_reason(self, dtype: torch.dtype) -> str:
+        wanted = " or ".join(f.upper() for f in missing_cpu_features(dtype)) or "native support"
+        return f"this CPU ({cpu_summary()}) lacks {wanted}"
 
 
 @hookimpl

@@ -48,6 +48,17 @@ class CUDABackend(Backend):
             bf16 = torch.cuda.is_bf16_supported()
         return (torch.float16, torch.bfloat16) if bf16 else (torch.float16,)
 
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        supported = self.supported_dtypes()
+        if torch.bfloat16 not in supported or getattr(torch.version, "hip", None):
+            return supported
+        major, _ = torch.cuda.get_device_capability()
+        return supported if major >= 8 else (torch.float16,)  # bf16 tensor cores from Ampere (8.0)
+
+    def emulation_reason(self, dtype: torch.dtype) -> str:
+        major, minor = torch.cuda.get_device_capability()
+        return f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no bf16 tensor cores (8.0+)"
+
 
 @hookimpl
 def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]

@@ -84,6 +84,7 @@ class MLUBackend(Backend):
         cache_enabled: bool | None = None,
     ) -> Any:
         resolved = self.resolve_dtype(dtype)
+        self.warn_if_emulated(resolved, enabled)
         if self.uses_legacy_autocast():
             return torch.mlu.amp.autocast(  # type: ignore[attr-defined]
                 enabled=enabled, dtype=resolved, cache_enabled=True if cache_enabled is None else cache_enabled

@@ -1,0 +1,273 @@
+"""Telling the truth about the hardware (native vs emulated dtypes, the warning, info, the
+demo's and bench's advice) and a CLI whose checkpoints and inputs hold up."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+import amp_backends
+from amp_backends import PerformanceWarning, backend, checkpoint, cli, hardware
+from amp_backends.bench import recommend
+from amp_backends.console import ProgressBar, render_table
+
+EMULATED = frozenset({"avx", "avx2", "fma3"})  # an AVX2-only x86 CPU (AMD Zen 3, older Intel)
+NATIVE_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+x86_only = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 feature flags")
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    """Fake this CPU's feature flags (what torch.cpu.get_capabilities would report)."""
+
+    def use(features: frozenset[str]) -> None:
+        monkeypatch.setattr(hardware, "cpu_features", lambda: features)
+        monkeypatch.setattr(hardware, "_arch", lambda: "x86")
+
+    monkeypatch.setattr(backend, "_WARNED_EMULATED", set())
+    return use
+
+
+def test_native_dtypes_follow_the_cpu_flags(fake_cpu):
+    be = amp_backends.get("cpu")
+    fake_cpu(EMULATED)
+    assert be.native_dtypes() == ()
+    assert "AVX512_BF16 or AMX_BF16" in be.emulation_reason(torch.bfloat16)
+    fake_cpu(NATIVE_BF16)
+    assert be.native_dtypes() == (torch.bfloat16,)
+    fake_cpu(NATIVE_BF16 | {"avx512_fp16"})
+    assert be.native_dtypes() == (torch.bfloat16,), "AVX512-FP16 alone leaves torch's fp16 convolutions slow"
+    fake_cpu(NATIVE_BF16 | {"amx_fp16"})
+    assert be.native_dtypes() == (torch.bfloat16, torch.float16)
+    assert hardware.cpu_native_dtypes(frozenset({"bf16"})) == ()  # an arm flag means nothing on x86
+
+
+def test_emulated_autocast_warns_once_per_process_and_can_be_silenced(fake_cpu):
+    be = amp_backends.get("cpu")
+    fake_cpu(EMULATED)
+    assert issubclass(PerformanceWarning, UserWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with be.autocast():
+                pass
+        with be.autocast(enabled=False):
+            pass
+    perf = [w for w in caught if issubclass(w.category, PerformanceWarning)]
+    assert len(perf) == 1, "once per process, whatever the filter"
+    text = str(perf[0].message)
+    assert "bfloat16 autocast on cpu is emulated" in text and "lacks AVX512_BF16 or AMX_BF16" in text
+    assert "slower than float32" in text and "activation memory is still about halved" in text
+    assert "--no-amp" in text and perf[0].filename == __file__, "points at the caller's line"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=PerformanceWarning)
+        with be.autocast(torch.float16):
+            pass
+    assert not caught, "the standard filter silences it"
+
+
+def test_native_autocast_does_not_warn(fake_cpu):
+    fake_cpu(NATIVE_BF16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)
+        with amp_backends.get("cpu").autocast(torch.bfloat16):
+            pass
+
+
+@pytest.mark.parametrize(("features", "native", "emulated"), [
+    (EMULATED, [], ["bfloat16", "float16"]),
+    (NATIVE_BF16, ["bfloat16"], ["float16"]),
+])
+def test_info_shows_native_and_emulated_dtypes(fake_cpu, capsys, features, native, emulated):
+    fake_cpu(features)
+    assert cli.main(["info", "--json"]) == 0
+    row = {b["name"]: b for b in json.loads(capsys.readouterr().out)["backends"]}["cpu"]
+    assert row["native_dtypes"] == native and sorted(row["emulated_dtypes"]) == emulated
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert ("Emulated (slower than float32 here):" in text) and "cpu float16: this CPU" in text
+    assert ("cpu bfloat16: this CPU" in text) is ("bfloat16" in emulated)
+
+
+@pytest.mark.parametrize(("features", "line"), [
+    (EMULATED, "native dtypes      none; emulated: bfloat16, float16"),
+    (NATIVE_BF16, "native dtypes      bfloat16; emulated: float16"),
+])
+def test_demo_says_what_is_native_and_measures_amp_against_fp32(fake_cpu, capsys, features, line):
+    fake_cpu(features)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cli.main(["demo", "--epochs", "1", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert line in out and "AMP vs fp32 here" in out and "x (" in out
+    assert any(issubclass(w.category, PerformanceWarning) for w in caught) is (features == EMULATED)
+
+
+@x86_only
+def test_real_isa_cap_is_detected_in_a_fresh_process():
+    """ATEN_CPU_CAPABILITY=avx2 keeps torch on AVX2 kernels: bf16/fp16 are then emulated on any x86 CPU."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env.pop("AMP_BACKEND", None)
+    proc = subprocess.run([sys.executable, "-m", "amp_backends", "info", "--json"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    data = json.loads(proc.stdout)
+    cpu = {b["name"]: b for b in data["backends"]}["cpu"]
+    assert data["cpu"].endswith("AVX2 kernels") and cpu["native_dtypes"] == []
+
+
+def test_bench_recommends_the_fastest_dtype_per_model():
+    rows = [
+        {"model": "mlp", "dtype": "float16", "speedup": 0.05, "mem_saving_pct": 50.0},
+        {"model": "mlp", "dtype": "bfloat16", "speedup": 1.4, "mem_saving_pct": 49.0},
+        {"model": "cnn", "dtype": "float16", "speedup": 0.04, "mem_saving_pct": 44.0},
+        {"model": "cnn", "dtype": "bfloat16", "speedup": 0.2, "mem_saving_pct": 43.0},
+    ]
+    recs = {r["model"]: r for r in recommend(rows)}
+    assert recs["mlp"]["fastest"] == "bfloat16" and recs["mlp"]["speedup"] == 1.4
+    assert recs["cnn"]["fastest"] == "float32" and recs["cnn"]["speedup"] == 1.0
+    assert recs["cnn"]["mem_saving_pct"] == {"float16": 44.0, "bfloat16": 43.0}
+
+
+def test_bench_prints_recommendations_in_table_and_json(capsys):
+    assert cli.main(["bench", "--scale", "0.1", "--rounds", "1", "--warmup", "0", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["model"] for r in data["recommendations"]] == ["mlp", "cnn", "transformer"]
+    assert all(r["fastest"] in ("float32", "float16", "bfloat16") for r in data["recommendations"])
+    assert all(isinstance(r["native"], bool) for r in data["rows"])
+    assert cli.main(["bench", "--scale", "0.1", "--rounds", "1", "--warmup", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "| model" in text and "| native |" in text.replace("  ", " ").replace("  ", " ")
+    assert "Recommendation (fastest here, per model):" in text and "  transformer: " in text
+
+
+# -- checkpoints --------------------------------------------------------------------------
+def _demo_checkpoint(tmp_path, capsys) -> str:
+    path = str(tmp_path / "demo.ckpt")
+    assert cli.main(["demo", "--epochs", "1", "--checkpoint", path, "--json"]) == 0
+    capsys.readouterr()
+    return path
+
+
+def test_a_flipped_bit_is_refused_naming_the_file(tmp_path, capsys):
+    path = _demo_checkpoint(tmp_path, capsys)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10  # inside the tensor data
+    open(path, "wb").write(bytes(data))
+    assert cli.main(["demo", "--epochs", "2", "--resume", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{path} is corrupt" in err
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("epoch", "abc", "field 'epoch' must be a whole number >= 1, got str 'abc'"),
+    ("epoch", True, "field 'epoch' must be a whole number >= 1, got bool True"),
+    ("epoch", 0, "field 'epoch' must be a whole number >= 1"),
+    ("history", 5, "field 'history' must be a list of numbers, got int"),
+    ("history", [0.5, 0.4], "field 'history' has 2 losses for 1 epochs"),
+    ("config", [1, 2], "field 'config' must be a dict of options, got list"),
+    ("model", "weights", "field 'model' must be a state_dict (a dict), got str"),
+    ("scaler", None, "field 'scaler' must be a state_dict (a dict), got NoneType"),
+])
+def test_crafted_fields_are_refused_in_one_line(tmp_path, capsys, field, value, message):
+    path = _demo_checkpoint(tmp_path, capsys)
+    state = checkpoint.load(path, "demo-digits-cnn")
+    state[field] = value
+    checkpoint.save(path, {k: v for k, v in state.items() if k not in ("format", "version", "kind")}, "demo-digits-cnn")
+    assert cli.main(["demo", "--epochs", "2", "--resume", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.count("\n") == 0
+
+
+def test_a_save_killed_mid_write_leaves_a_temp_file_the_next_save_removes(tmp_path):
+    target = tmp_path / "c.ckpt"
+    script = (
+        "import os, signal, sys, torch\n"
+        "from amp_backends import checkpoint\n"
+        "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)  # die after writing, before the rename\n"
+        f"checkpoint.save({str(target)!r}, {{'x': torch.ones(1000)}}, 't')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    stale = list(tmp_path.glob(".c.ckpt.*.tmp"))
+    assert len(stale) == 1 and not target.exists()
+    checkpoint.save(target, {"x": torch.zeros(2)}, "t")
+    assert [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]
+    assert torch.equal(checkpoint.load(target, "t")["x"], torch.zeros(2))
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_checkpoint_mode_follows_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        path = checkpoint.save(tmp_path / "m.ckpt", {"x": torch.ones(1)}, "t")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == mode
+
+
+@pytest.mark.parametrize("where", ["directory", "under-a-file", "unwritable"])
+def test_a_bad_checkpoint_destination_fails_before_training(tmp_path, capsys, where):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    dest = {"directory": str(tmp_path), "under-a-file": str(blocker / "c.ckpt"), "unwritable": "/proc/amp/c.ckpt"}[where]
+    start = time.perf_counter()
+    assert cli.main(["demo", "--checkpoint", dest]) == 2
+    captured = capsys.readouterr()
+    assert time.perf_counter() - start < 5 and "epoch=" not in captured.err, "no training was spent"
+    expected = {"directory": "is a directory", "under-a-file": "is a file, not a directory", "unwritable": "cannot write"}
+    assert expected[where] in captured.err and captured.err.count("\n") == 1
+
+
+# -- other bad CLI input ------------------------------------------------------------------
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--scale", "inf"], "--scale must be in (0, 8], got inf"),
+    (["bench", "--scale", "0"], "--scale must be in (0, 8]"),
+    (["bench", "--rounds", "0"], "--rounds must be >= 1"),
+    (["bench", "--plot", "/nonexistent/x.png"], "--plot: the folder '/nonexistent' does not exist"),
+])
+def test_bad_bench_input_is_refused_before_any_work(capsys, argv, message):
+    start = time.perf_counter()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and time.perf_counter() - start < 2
+
+
+def test_amp_backend_naming_no_backend_is_said_by_info(monkeypatch, capsys):
+    monkeypatch.setenv("AMP_BACKEND", "bogus")
+    assert cli.main(["info"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("error: AMP_BACKEND='bogus' cannot be used: unknown backend 'bogus'")
+    assert "Known backends: cpu" in out
+    assert cli.main(["info", "--json"]) == 1
+    assert "bogus" in json.loads(capsys.readouterr().out)["env_error"]
+
+
+# -- console ------------------------------------------------------------------------------
+def test_progress_is_plain_lines_off_a_terminal():
+    stream = io.StringIO()
+    bar = ProgressBar(10, stream=stream)
+    calls = []
+    for i in range(10):
+        bar.update(i + 1, lambda: calls.append(1) or {"x": 1})
+    bar.line(lambda: {"epoch": "1/1", "loss": "0.5"})
+    bar.close()
+    assert stream.getvalue() == "epoch=1/1 loss=0.5\n" and calls == [], "fields read only when shown"
+
+
+def test_tables_render_aligned_or_as_markdown():
+    text = render_table(["name", "n"], [["a", "1"], ["bbb", "22"]], right=(1,))
+    lines = text.splitlines()
+    assert lines[0].split() == ["name", "n"] and lines[-1].split() == ["bbb", "22"] and "\x1b" not in text
+    md = render_table(["name", "n"], [["a", "1"]], markdown=True)
+    assert md.splitlines()[0].startswith("| name") and md.splitlines()[1].startswith("|--")
