@@ -318,6 +318,12 @@ class GradScaler(torch.amp.GradScaler):
         skipped = bool(_sum_on(found, first.device).item())
         return self._finish_step(optimizer, skipped, **kwargs)
 
+    def ensure_unscaled_(self, optimizer: torch.optim.Optimizer) -> None:
+        """``unscale_(optimizer)`` unless this iteration already unscaled it (or scaling is off):
+        for framework code that unscales before clipping and cannot know whether it already did."""
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+
     # -- clipping -------------------------------------------------------------------------
     def clip_grad_norm_(
         self,

@@ -10,6 +10,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported, and Lightning/Transformers/Accelerate
+# import it while the test modules are collected: set it before any of them (CPU-only machines),
+# so that tests/test_triton_kernels.py runs the kernels in Triton's interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def write_distribution(
