@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .registry import Registry, default_registry
+from .registry import Registry, default_registry, probe, shadowing_message
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -20,10 +20,7 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
     registry = registry or default_registry()
     rows = []
     for backend, record in registry.backends():
-        try:
-            reason = backend.unavailable_reason()
-        except Exception as exc:  # noqa: BLE001
-            reason = f"unavailable_reason() raised {type(exc).__name__}: {exc}"
+        reason = probe(backend)  # bounded in time; a non-bool answer is a reason
         try:
             supported = backend.supported_dtypes()
             dtypes = [_dtype(d) for d in supported]
@@ -37,6 +34,9 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
             kernel = backend.kernel.name
         except Exception as exc:  # noqa: BLE001
             kernel, kernel_error = "error", str(exc)
+        rejected = registry.kernel_rejections(backend.device_type)
+        if rejected and kernel_error is None:
+            kernel_error = "; ".join(rejected)
         rows.append(
             {
                 "name": backend.name,
@@ -59,6 +59,11 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
     duplicates = {
         name: [f"{r.package} ({r.name})" for r in records] for name, records in registry.duplicates().items()
     }
+    shadowing = [
+        {"backend": name, "plugin": rec.name, "package": rec.package, "overrides": override,
+         "message": shadowing_message(name, rec, override)}
+        for name, rec, override in registry.shadowing()
+    ]
     best: str | None = None
     env_error: str | None = None
     try:
@@ -76,6 +81,7 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
         "env_error": env_error,
         "backends": rows,
         "duplicates": duplicates,
+        "shadowing": shadowing,
         "plugins": [r.as_dict() for r in registry.plugins()],
     }
 
@@ -111,6 +117,8 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
     broken_kernels = [b for b in data["backends"] if b["kernel_error"]]
     if broken_kernels:
         out += ["", "Kernel problems:"] + [f"  {b['name']}: {b['kernel_error']}" for b in broken_kernels]
+    if data["shadowing"]:
+        out += ["", "Built-in backends and third-party plugins:"] + [f"  {s['message']}" for s in data["shadowing"]]
     for name, owners in data["duplicates"].items():
         out.append(f"\nDuplicate backend {name!r} registered by {' and '.join(owners)}: neither is used.")
     trouble = [p for p in data["plugins"] if p["status"] != "loaded"]

@@ -15,6 +15,7 @@ import difflib
 import os
 import threading
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -111,6 +112,10 @@ class Registry:
         self._backends: dict[str, tuple[Backend, PluginRecord, bool]] = {}
         self._duplicates: dict[str, list[PluginRecord]] = {}
         self._kernels: dict[str, tuple[Kernel, PluginRecord]] = {}
+        #: third-party registrations under a built-in's name: (name, plugin, overrides?)
+        self._shadowing: list[tuple[str, PluginRecord, bool]] = []
+        self._kernel_rejections: dict[tuple[str, str], str] = {}
+        self._warned: set[str] = set()
 
     # -- loading ----------------------------------------------------------------------
     def reload(self) -> None:
@@ -153,8 +158,8 @@ class Registry:
                     continue
                 try:
                     plugin = ep.load()
-                except BaseException as exc:  # noqa: BLE001 - a broken plugin must not break others
-                    self._fail(record, exc)
+                except Exception as exc:  # noqa: BLE001 - a broken plugin must not break others
+                    self._fail(record, exc)  # (KeyboardInterrupt and SystemExit go on to the caller)
                     continue
                 if self._add_plugin(plugin, record):
                     order.append(record.name)
@@ -199,7 +204,7 @@ class Registry:
         self._records[record.name] = record
         try:
             self._pm.register(plugin, name=record.name)
-        except BaseException as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             self._fail(record, exc)
             return False
         return True
@@ -219,7 +224,7 @@ class Registry:
                     continue
                 try:
                     impl.function(register=_Registrar(adder, record))
-                except BaseException as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001
                     self._fail(record, exc)
                     self._drop(record)
 
@@ -244,6 +249,10 @@ class Registry:
             self._duplicates[key].append(record)
             return
         existing = self._backends.get(key)
+        if existing is not None and existing[1].builtin and not record.builtin:
+            self._shadowing.append((key, record, override))
+            if not override:
+                return  # the built-in stays; get() and info name the plugin that tried
         if existing is None or override:
             self._backends[key] = (backend, record, override)
         elif existing[2]:
@@ -303,7 +312,9 @@ class Registry:
             if not usable:
                 reasons = "; ".join(f"{n}: {_safe_reason(b)}" for n, (b, _, _) in sorted(self._backends.items()))
                 raise BackendUnavailableError(f"no backend is available ({reasons or 'none registered'})")
-            return self._backends[usable[0].lower()][0]
+            best = usable[0].lower()
+            self._warn_shadowing(best)
+            return self._backends[best][0]
         if not isinstance(name, str):
             raise TypeError(f"backend name must be a string, got {type(name).__name__}")
         key = name.strip().lower()
@@ -316,7 +327,20 @@ class Registry:
         reason = _safe_reason(backend)
         if reason is not None:
             raise BackendUnavailableError(f"backend {backend.name!r} is not available: {reason}")
+        self._warn_shadowing(key)
         return backend
+
+    def shadowing(self) -> list[tuple[str, PluginRecord, bool]]:
+        """Third-party registrations under a built-in backend's name: (name, plugin, whether it overrides)."""
+        self._ensure_loaded()
+        return list(self._shadowing)
+
+    def _warn_shadowing(self, key: str) -> None:
+        for name, record, override in self._shadowing:
+            if name != key or key in self._warned:
+                continue
+            self._warned.add(key)
+            warnings.warn(shadowing_message(name, record, override), RuntimeWarning, stacklevel=4)
 
     def for_device_type(self, device_type: str) -> Backend:
         """The backend serving torch device type ``device_type`` (the one of that name first)."""
@@ -366,6 +390,9 @@ class Registry:
                 )
             kernel = kernels[forced]
             reason = kernel.unavailable_reason(device_type)
+            if reason is None and kernel is not TORCH_KERNEL:
+                problem = kernel_self_check(kernel, backend.device())
+                reason = None if problem is None else f"it failed its self-check ({problem})"
             if reason is not None:
                 raise BackendUnavailableError(
                     f"AMP_BACKENDS_KERNEL={forced!r} cannot run on {device_type!r}: {reason}. "
@@ -373,13 +400,78 @@ class Registry:
                 )
             return kernel
         candidates = sorted(self._kernels.values(), key=lambda kr: -kr[0].priority)
-        for kernel, _ in candidates:
+        for kernel, record in candidates:
             try:
-                if kernel.auto_select(device_type):
-                    return kernel
+                if not kernel.auto_select(device_type):
+                    continue
             except Exception:  # noqa: BLE001 - a broken kernel falls back to torch's
                 continue
+            if probe(backend) is not None:
+                return kernel  # no device to check it on; the backend cannot run gradient ops anyway
+            if self._self_check(kernel, record, backend) is None:
+                return kernel
         return TORCH_KERNEL
+
+    def _self_check(self, kernel: Kernel, record: PluginRecord, backend: Backend) -> str | None:
+        """Run the kernel's ops on small tensors of the backend's device against torch's: a kernel
+        that raises, misses an inf/NaN, writes when it should only read, or gets a value wrong is
+        not adopted (the reason is kept for ``info``)."""
+        key = (kernel.name, backend.device_type)
+        if key in self._kernel_rejections:
+            return self._kernel_rejections[key]
+        try:
+            problem = kernel_self_check(kernel, backend.device())
+        except Exception as exc:  # noqa: BLE001
+            problem = f"raised {type(exc).__name__}: {exc}"
+        if problem is None:
+            return None
+        message = (f"kernel {kernel.name!r} from {record.package} failed its self-check on {backend.device_type} "
+                   f"({problem}); torch's kernel is used instead")
+        self._kernel_rejections[key] = message
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return message
+
+    def kernel_rejections(self, device_type: str) -> list[str]:
+        """Why kernels were not adopted for ``device_type`` (failed self-checks)."""
+        return [m for (_, dev), m in self._kernel_rejections.items() if dev == device_type]
+
+
+def kernel_self_check(kernel: Kernel, device: Any) -> str | None:
+    """What is wrong with ``kernel`` on ``device`` (None: nothing). Float32 and float16 gradients:
+    unscale values bitwise equal to torch's op, inf and NaN found, read-only ops write nothing,
+    the sum of squares right."""
+    import torch
+
+    for dtype in (torch.float32, torch.float16):
+        base = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.0, -0.75, 6.0, 1.0], dtype=dtype)
+        inv = torch.full((), 0.5, dtype=torch.float32, device=device)
+        for bad in (None, float("inf"), float("nan")):
+            grads = [base.clone().to(device), base[:5].clone().to(device)]
+            if bad is not None:
+                grads[1][2] = bad
+            reference = [g.clone() for g in grads]
+            found, ref_found = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
+            kernel.unscale_and_check_(grads, found, inv)
+            torch._amp_foreach_non_finite_check_and_unscale_(reference, ref_found, inv)
+            if bool(found.item()) != (bad is not None):
+                return f"{'missed an' if bad is not None else 'reported an'} inf/NaN in {dtype} gradients"
+            if bad is None and not all(torch.equal(a, b) for a, b in zip(grads, reference)):
+                return f"unscaled {dtype} values differ from torch's"
+            untouched = [g.clone() for g in grads]
+            found.zero_()
+            kernel.check_(grads, found)
+            if bool(found.item()) != (bad is not None):
+                return f"its read-only check {'missed' if bad is not None else 'invented'} an inf/NaN"
+            if not all(torch.equal(a, b) or (a.isnan().any() and b.isnan().any()) for a, b in zip(grads, untouched)):
+                return "its read-only check wrote the gradients"
+        grads = [base.clone().to(device)]
+        norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        kernel.unscale_check_norm_(grads, found, inv, norm_sq)
+        expected = float((base.double() * 0.5).pow(2).sum())
+        if abs(float(norm_sq.item()) - expected) > 1e-3 * expected:
+            return f"sum of squares {float(norm_sq.item()):g} where {expected:g} is right"
+    return None
 
 
 class _Registrar:
@@ -393,18 +485,63 @@ class _Registrar:
         self._adder(self._record, obj, **kwargs)
 
 
+#: Backends whose probe did not return in time: the reason, so a hang costs its wait once.
+_HUNG: dict[int, str] = {}
+
+
+def probe_timeout() -> float:
+    """Seconds an availability probe may take (``AMP_BACKENDS_PROBE_TIMEOUT``, default 10)."""
+    try:
+        value = float(os.environ.get("AMP_BACKENDS_PROBE_TIMEOUT", "") or 10.0)
+    except ValueError:
+        value = 10.0
+    return value if value > 0 else 10.0
+
+
+def probe(backend: Backend) -> str | None:
+    """Why ``backend`` cannot be used, or None when it can.
+
+    ``is_available()`` (then ``unavailable_reason()``) runs in a daemon thread for at most
+    :func:`probe_timeout` seconds: a hung driver query makes the backend unavailable, with that
+    reason, instead of hanging ``get()``. It must return a bool; anything else is a reason too.
+    """
+    hung = _HUNG.get(id(backend))
+    if hung is not None:
+        return hung
+    cls = type(backend).__name__
+    answer: list[str | None] = []
+
+    def ask() -> None:
+        try:
+            ok = backend.is_available()
+            if not isinstance(ok, bool):
+                answer.append(f"{cls}.is_available() returned {type(ok).__name__} {ok!r}, not True or False")
+            elif ok:
+                answer.append(None)
+            else:
+                reason = backend.unavailable_reason()
+                answer.append(str(reason) if reason else f"{cls}.is_available() returned False")
+        except Exception as exc:  # noqa: BLE001 - a failing probe is a reason, not a crash
+            answer.append(f"{cls}.is_available() raised {type(exc).__name__}: {exc}")
+
+    timeout = probe_timeout()
+    thread = threading.Thread(target=ask, name=f"amp-backends probe {backend.name}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not answer:
+        _HUNG[id(backend)] = (
+            f"{cls}.is_available() did not return within {timeout:g} s (a hung driver or device query?); "
+            "set AMP_BACKENDS_PROBE_TIMEOUT=SECONDS to wait longer"
+        )
+        return _HUNG[id(backend)]
+    return answer[0]
+
+
 def _safe_available(backend: Backend) -> bool:
-    try:
-        return bool(backend.is_available())
-    except Exception:  # noqa: BLE001
-        return False
+    return probe(backend) is None
 
 
-def _safe_reason(backend: Backend) -> str | None:
-    try:
-        return backend.unavailable_reason()
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(backend).__name__}.unavailable_reason() raised {type(exc).__name__}: {exc}"
+_safe_reason = probe
 
 
 def _plugin_error(name: str, record: PluginRecord) -> BackendUnavailableError:
@@ -418,6 +555,16 @@ def _plugin_error(name: str, record: PluginRecord) -> BackendUnavailableError:
         f"failed to load: {record.error}. Fix or reinstall that package, or disable the plugin "
         f"with {record.disable_hint()} (`amp-backends info` shows the traceback)."
     )
+
+
+def shadowing_message(key: str, record: PluginRecord, override: bool) -> str:
+    """What a third-party registration under a built-in's name did, and how to undo it."""
+    who = f"plugin {record.name!r} from {record.package} {record.version}"
+    if override:
+        return (f"backend {key!r} is {who}, which overrides the built-in {key!r} backend; "
+                f"disable it with {record.disable_hint()} to use the built-in")
+    return (f"{who} also registers a backend named {key!r} (without override=True); it was ignored and the "
+            f"built-in {key!r} is used. Rename that backend, or disable the plugin with {record.disable_hint()}")
 
 
 def _duplicate_message(key: str, records: list[PluginRecord]) -> str:

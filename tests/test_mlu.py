@@ -7,12 +7,19 @@ No machine here has an MLU; these run the real plugin code against a faithful si
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.utils.backend_registration
 
 from amp_backends.testing import sim_packages_path
 
 from conftest import run_json
 
 SIM = [sim_packages_path()]
+needs_sim_device = pytest.mark.skipif(
+    not hasattr(torch.utils.backend_registration, "_setup_privateuseone_for_python_backend"),
+    reason="the simulated PrivateUse1 device needs torch.utils.backend_registration."
+    f"_setup_privateuseone_for_python_backend, which torch {torch.__version__} lacks",
+)
 
 SAME_LOOP = """
 import json, math, warnings, torch, amp_backends
@@ -50,6 +57,7 @@ print(json.dumps({"device": str(next(model.parameters()).device), "dtypes": sort
 
 
 @pytest.mark.parametrize("mode", ["new", "legacy"])
+@needs_sim_device
 def test_same_loop_trains_on_simulated_mlu(mode):
     out = run_json(SAME_LOOP, SIM, {"AMP_SIM_MLU": mode})
     assert out["device"] == "mlu:0" and out["dist"] == "cncl"
@@ -63,6 +71,7 @@ def test_same_loop_trains_on_simulated_mlu(mode):
         assert out["autocast_type"] == "torch.amp.autocast_mode.autocast"
 
 
+@needs_sim_device
 def test_autocast_policy_and_dtypes_on_simulated_mlu():
     out = run_json(
         """
@@ -92,6 +101,7 @@ def test_autocast_policy_and_dtypes_on_simulated_mlu():
     assert "does not support autocast dtype float64" in out["error"]
 
 
+@needs_sim_device
 def test_bf16_only_where_the_chip_supports_it():
     out = run_json(
         """
@@ -115,7 +125,7 @@ def test_bf16_only_where_the_chip_supports_it():
     [
         ("new", [], "torch_mlu is not installed"),
         ("broken", SIM, "torch_mlu is installed but failed to import: ImportError: libcnnl.so"),
-        ("nodevice", SIM, "no MLU device visible"),
+        pytest.param("nodevice", SIM, "no MLU device visible", marks=needs_sim_device),
     ],
 )
 def test_each_unavailable_reason(mode, paths, reason):
@@ -134,6 +144,7 @@ def test_each_unavailable_reason(mode, paths, reason):
     assert reason in out["err"] and "mlu" not in out["available"] and out["best"] == "cpu"
 
 
+@needs_sim_device
 def test_torch_mlu_imported_only_when_mlu_is_asked_for():
     out = run_json(
         """
@@ -148,11 +159,13 @@ def test_torch_mlu_imported_only_when_mlu_is_asked_for():
     assert out == [False, True]
 
 
+@needs_sim_device
 def test_auto_picks_the_simulated_mlu_over_cpu():
     out = run_json("import json, amp_backends; print(json.dumps(amp_backends.get().name))", SIM)
     assert out == "mlu"
 
 
+@needs_sim_device
 def test_torch_grad_scaler_on_simulated_device_agrees_with_ours():
     """Our scaler and torch.amp.GradScaler('mlu') give the same trajectory on the simulated device."""
     out = run_json(

@@ -315,14 +315,17 @@ def test_third_party_kernel_through_entry_point_is_selected_and_used(tmp_path):
     code = """
         import json, torch, amp_backends, counting_kernel
         be = amp_backends.get("cpu")
+        name = be.kernel.name  # adopting it runs its self-check first
+        checks = counting_kernel.Doubling.calls
         p = torch.nn.Parameter(torch.ones(3)); opt = torch.optim.SGD([p], lr=0.1)
         scaler = amp_backends.GradScaler(be)
         scaler.scale(p.sum()).backward(); scaler.step(opt); scaler.update()
         rec = [r for r in amp_backends.plugins() if r.name == "counting"][0]
-        print(json.dumps({"kernel": be.kernel.name, "calls": counting_kernel.Doubling.calls, "kernels": rec.kernels}))
+        print(json.dumps({"kernel": name, "calls": counting_kernel.Doubling.calls - checks, "kernels": rec.kernels,
+                          "self_checked": checks > 0 or name == "torch"}))
     """
     out = run_json(code, [root])
-    assert out == {"kernel": "counting", "calls": 1, "kernels": ["counting"]}
+    assert out == {"kernel": "counting", "calls": 1, "kernels": ["counting"], "self_checked": True}
     forced = run_json(code, [root], {"AMP_BACKENDS_KERNEL": "torch"})
     assert forced["kernel"] == "torch" and forced["calls"] == 0
 

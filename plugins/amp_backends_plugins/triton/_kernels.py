@@ -14,11 +14,12 @@ Non-dense gradients (strided slices) go through torch's ops instead; transposed 
 other permuted-dense layouts are handled in place.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: Triton 3.0 (the oldest release supported)
+# recognises ``tl.constexpr`` parameters only from evaluated annotations.
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import triton
@@ -62,7 +63,8 @@ def _grad_kernel(
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     bad = (x != x) | (tl.abs(x) == float("inf"))
     n_bad = tl.sum(bad.to(tl.int32), axis=0)
-    tl.store(found_inf_ptr, 1.0, mask=n_bad > 0)
+    if n_bad > 0:  # a branch, not a masked scalar store: Triton 3.0's interpreter ignores that mask
+        tl.store(found_inf_ptr, 1.0)
     if SCALE:
         y = x * tl.load(inv_scale_ptr)
     else:
@@ -138,9 +140,9 @@ def _split(grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]
 def _fallback(
     grads: list[torch.Tensor],
     found_inf: torch.Tensor,
-    inv_scale: torch.Tensor | None,
+    inv_scale: Optional[torch.Tensor],
     write: bool,
-    norm_sq: torch.Tensor | None,
+    norm_sq: Optional[torch.Tensor],
 ) -> None:
     if not grads:
         return
@@ -157,8 +159,8 @@ def _fallback(
 def _torch_ops(
     grads: list[torch.Tensor],
     found_inf: torch.Tensor,
-    inv_scale: torch.Tensor | None,
-    norm_sq: torch.Tensor | None,
+    inv_scale: Optional[torch.Tensor],
+    norm_sq: Optional[torch.Tensor],
 ) -> None:
     """Tensor subclasses go to torch's op, whose dispatch (DTensor's) handles them and
     reduces found_inf over the mesh; a read-only check is torch's unscale by 1."""
@@ -175,9 +177,9 @@ def _torch_ops(
 def run(
     grads: Sequence[torch.Tensor],
     found_inf: torch.Tensor,
-    inv_scale: torch.Tensor | None,
+    inv_scale: Optional[torch.Tensor],
     write: bool,
-    norm_sq: torch.Tensor | None,
+    norm_sq: Optional[torch.Tensor],
 ) -> None:
     """One launch over every dense gradient of one (device, dtype) group; torch for the rest."""
     dense, ptrs, numels, other, wrapped = _split(grads)

@@ -1,0 +1,179 @@
+"""Faulty third-party plugins, installed as real distributions: Ctrl-C and exit propagate, built-in
+backends and their kernels cannot be silently taken or replaced, availability probes are bounded."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from conftest import ACME_SOURCE, run_json, run_python, write_distribution
+
+
+@pytest.mark.parametrize(("where", "raise_", "returncode", "marker"), [
+    ("import", "raise KeyboardInterrupt", -signal.SIGINT, "KeyboardInterrupt"),
+    ("import", "raise SystemExit(7)", 7, ""),
+    ("hook", "raise KeyboardInterrupt", -signal.SIGINT, "KeyboardInterrupt"),
+    ("hook", "raise SystemExit(7)", 7, ""),
+])
+def test_ctrl_c_and_exit_in_a_plugin_are_not_swallowed(tmp_path, where, raise_, returncode, marker):
+    if where == "import":
+        source = raise_ + "\n" + ACME_SOURCE
+    else:
+        source = ACME_SOURCE.replace("register(AcmeBackend())", raise_)
+    root = write_distribution(tmp_path / "p", "rude-amp", "rude_amp", source, {"rude": "rude_amp"})
+    proc = run_python("import amp_backends; amp_backends.names(); print('carried on')", [root])
+    assert proc.returncode == returncode and "carried on" not in proc.stdout
+    assert marker in proc.stderr
+
+
+def _cpu_clone(tmp_path, override: bool):
+    source = ACME_SOURCE.replace('name = "acme"', 'name = "cpu"')
+    if override:
+        source = source.replace("register(AcmeBackend())", "register(AcmeBackend(), override=True)")
+    return write_distribution(tmp_path / "c", "fastcpu-amp", "fastcpu_amp", source, {"fastcpu": "fastcpu_amp"})
+
+
+SHOW = """
+import json, warnings, amp_backends
+from amp_backends import cli
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    chosen = type(amp_backends.get("cpu")).__name__
+    auto = type(amp_backends.get()).__name__
+import io, contextlib
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf):
+    cli.main(["info"])
+print(json.dumps({"chosen": chosen, "auto": auto, "warnings": [str(w.message) for w in caught],
+                  "info": buf.getvalue()}))
+"""
+
+
+def test_a_plugin_cannot_take_a_builtin_name_without_override(tmp_path):
+    out = run_json(SHOW, [_cpu_clone(tmp_path, override=False)])
+    assert out["chosen"] == out["auto"] == "CPUBackend", "the built-in stays"
+    assert len(out["warnings"]) == 1, "said once, where the user meets it"
+    said = out["warnings"][0]
+    assert "'fastcpu' from fastcpu-amp 1.0 also registers a backend named 'cpu'" in said
+    assert "AMP_BACKENDS_DISABLE_PLUGINS=fastcpu" in said
+    assert "also registers a backend named 'cpu'" in out["info"]
+
+
+def test_an_override_of_a_builtin_is_named_wherever_it_takes_effect(tmp_path):
+    out = run_json(SHOW, [_cpu_clone(tmp_path, override=True)])
+    assert out["chosen"] == out["auto"] == "AcmeBackend"
+    assert any("overrides the built-in 'cpu' backend" in w for w in out["warnings"])
+    assert "overrides the built-in 'cpu' backend" in out["info"]
+    demo = run_python("from amp_backends import cli; cli.main(['demo', '--epochs', '1'])",
+                      [_cpu_clone(tmp_path / "d", override=True)])
+    assert "overrides the built-in 'cpu' backend" in demo.stderr
+
+
+KERNEL_SOURCE = '''
+import torch
+import amp_backends
+
+class Kernel(amp_backends.TorchKernel):
+    name = "fast"
+    priority = 100
+
+    def auto_select(self, device_type):
+        return True
+
+    def unscale_and_check_(self, grads, found_inf, inv_scale):
+        BODY
+
+@amp_backends.hookimpl
+def amp_backends_register_kernels(register):
+    register(Kernel())
+'''
+
+STEP = """
+import json, math, warnings, torch, amp_backends
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    be = amp_backends.get("cpu")
+    kernel = be.kernel.name
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = amp_backends.GradScaler(be, init_scale=4.0)
+scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+model.weight.grad[0, 0] = math.inf
+before = model.weight.detach().clone()
+scaler.step(opt)
+print(json.dumps({"kernel": kernel, "skipped": scaler.last_step_skipped,
+                  "unchanged": bool(torch.equal(before, model.weight)),
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+@pytest.mark.parametrize(("body", "adopted", "problem"), [
+    ("super().unscale_and_check_(grads, found_inf, inv_scale)", True, None),
+    ("raise RuntimeError('kernel crashed')", False, "raised RuntimeError: kernel crashed"),
+    ("torch._foreach_mul_(list(grads), inv_scale)", False, "missed an inf/NaN in torch.float32 gradients"),
+    ("super().unscale_and_check_(grads, found_inf, inv_scale * 1.0001)", False, "values differ from torch's"),
+])
+def test_a_third_party_kernel_must_pass_a_self_check_before_builtins_adopt_it(tmp_path, body, adopted, problem):
+    root = write_distribution(tmp_path / "k", "fastk-amp", "fastk_amp", KERNEL_SOURCE.replace("BODY", body),
+                              {"fastk": "fastk_amp"})
+    out = run_json(STEP, [root])
+    assert out["kernel"] == ("fast" if adopted else "torch")
+    assert out["skipped"] and out["unchanged"], "an inf gradient never reaches the weights"
+    if problem:
+        assert any(problem in w and "fastk-amp" in w for w in out["warnings"]), out["warnings"]
+        info = run_python("from amp_backends import cli; cli.main(['info'])", [root])
+        assert "failed its self-check" in info.stdout
+
+
+PROBE_SOURCE = '''
+import time, torch, amp_backends
+
+class Odd(amp_backends.Backend):
+    name = "NAME"
+    device_type = "cpu"
+    priority = 1000
+
+    def is_available(self):
+        BODY
+
+@amp_backends.hookimpl
+def amp_backends_register_backends(register):
+    register(Odd())
+'''
+
+
+def test_a_hanging_probe_is_bounded_and_asked_once(tmp_path):
+    source = PROBE_SOURCE.replace("NAME", "hang").replace("BODY", "time.sleep(60); return True")
+    root = write_distribution(tmp_path / "h", "hang-amp", "hang_amp", source, {"hang": "hang_amp"})
+    code = """
+    import json, time, amp_backends
+    from amp_backends import cli
+    t = time.perf_counter()
+    best = amp_backends.get().name
+    try:
+        amp_backends.get("hang")
+    except amp_backends.BackendUnavailableError as e:
+        err = str(e)
+    cli.main(["info"])
+    print(json.dumps({"best": best, "err": err, "seconds": time.perf_counter() - t}))
+    """
+    start = time.perf_counter()
+    out = run_json(code, [root], {"AMP_BACKENDS_PROBE_TIMEOUT": "1"})
+    assert out["best"] == "cpu" and "did not return within 1 s" in out["err"]
+    assert out["seconds"] < 10 and time.perf_counter() - start < 60, "one wait of 1 s, not one per question"
+
+
+def test_a_probe_must_answer_a_bool(tmp_path):
+    source = PROBE_SOURCE.replace("NAME", "vague").replace("BODY", "return 'no'")
+    root = write_distribution(tmp_path / "v", "vague-amp", "vague_amp", source, {"vague": "vague_amp"})
+    out = run_json("""
+    import json, amp_backends
+    try:
+        amp_backends.get("vague")
+    except amp_backends.BackendUnavailableError as e:
+        err = str(e)
+    print(json.dumps({"best": amp_backends.get().name, "err": err}))
+    """, [root])
+    assert out["best"] == "cpu" and "is_available() returned str 'no', not True or False" in out["err"]
