@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from collections import defaultdict
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-import warnings
-
 from .errors import PerformanceWarning, UnsupportedDtypeError
-from .kernels import Kernel
+from .kernels import Kernel, add_sum_of_squares
 
 if TYPE_CHECKING:
     from .scaler import GradScaler
@@ -55,6 +54,25 @@ class Backend:
     #: Automatic choice picks the available backend with the highest priority.
     priority: int = 50
 
+    # -- what the device's own ops can do (declare; the core adapts) --------------------
+    #: Gradient dtypes the device's unscale/check op accepts (None: every dtype). Gradients of
+    #: other dtypes go through a float32 copy, with the results of torch's op (which computes
+    #: in float32 too). torch_mlu's op and CUDA's (reused by torch_musa) take float32 and float16.
+    unscale_dtypes: tuple[torch.dtype, ...] | None = None
+    #: Most elements one tensor may have in the device's op (torch_mlu: 2**31 - 1); larger
+    #: gradients are handed over in slices. None: no limit.
+    max_tensor_elements: int | None = None
+    #: False where the device has no float64: the scaler computes 1/scale in float32.
+    has_fp64: bool = True
+    #: True where overflow comes from a device-wide status register (torch_npu on chips without
+    #: inf/NaN mode): :meth:`on_scale` clears it before backward, and the unscale reads it
+    #: instead of inspecting the tensors. Implement :meth:`clear_overflow_status` and
+    #: :meth:`read_overflow_status_`.
+    global_overflow_status: bool = False
+    #: The torch release the device extension was built for, e.g. ``"2.4.0"``; ``info`` warns on
+    #: a mismatch with the running torch.
+    built_for_torch: str | None = None
+
     _kernel: Kernel | None = None
 
     # -- availability -----------------------------------------------------------------
@@ -74,8 +92,8 @@ class Backend:
         dtypes = [self.default_dtype]
         module = getattr(torch, self.device_type, None)
         query = getattr(module, "get_amp_supported_dtype", None)
-        if callable(query):
-            dtypes += [d for d in query() if d not in dtypes]
+        if callable(query):  # autocast dtypes only: torch_npu's list includes float32
+            dtypes += [d for d in query() if d in (torch.float16, torch.bfloat16) and d not in dtypes]
         return tuple(dtypes)
 
     def native_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -173,21 +191,68 @@ class Backend:
             self._kernel = kernel_for(self)
         return self._kernel
 
+    def on_scale(self, scaler: GradScaler) -> None:
+        """Run by ``GradScaler.scale()`` before backward; clears the overflow status where the
+        device keeps one (:attr:`global_overflow_status`)."""
+        if self.global_overflow_status:
+            self.clear_overflow_status()
+
+    def clear_overflow_status(self) -> None:
+        """Reset the device-wide overflow status (only with :attr:`global_overflow_status`)."""
+        raise NotImplementedError(f"{type(self).__name__} sets global_overflow_status: implement clear_overflow_status()")
+
+    def read_overflow_status_(self, found_inf: torch.Tensor) -> None:
+        """Set ``found_inf`` to 1 if the device-wide status says an overflow happened since the
+        last clear, and clear it (only with :attr:`global_overflow_status`)."""
+        raise NotImplementedError(f"{type(self).__name__} sets global_overflow_status: implement read_overflow_status_()")
+
     def _each_group(self, op: str, grads: Sequence[torch.Tensor], *args: torch.Tensor) -> None:
-        """Run kernel op ``op`` once per (device, dtype) group of ``grads``."""
+        """Run kernel op ``op`` once per (device, dtype) group of ``grads``, within the dtypes
+        and tensor sizes the device's op accepts."""
         run = getattr(self.kernel, op)
-        for group in group_by_device_and_dtype(grads).values():
-            run(group, *args)
+        writes = op.startswith("unscale")
+        limit = self.max_tensor_elements
+        for (_, dtype), group in group_by_device_and_dtype(grads).items():
+            through_fp32 = self.unscale_dtypes is not None and dtype not in self.unscale_dtypes
+            if not through_fp32 and (limit is None or all(g.numel() <= limit for g in group)):
+                run(group, *args)
+                continue
+            # work on stand-ins (float32 copies, contiguous copies to slice), written back after
+            stand_ins = [g.float() if through_fp32 else g for g in group]
+            if limit is not None:
+                stand_ins = [s.contiguous() if s.numel() > limit else s for s in stand_ins]
+            pieces = [p for s in stand_ins for p in (s.view(-1).split(limit) if limit and s.numel() > limit else (s,))]
+            for _, chunk in group_by_device_and_dtype(pieces).items():
+                run(chunk, *args)
+            if writes:
+                for g, s in zip(group, stand_ins):
+                    if s is not g:
+                        g.copy_(s)
+
+    def _status_op(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None,
+                   norm_sq: torch.Tensor | None) -> None:
+        """The ops of a device with a global overflow status: scale, read the status, measure."""
+        if inv_scale is not None:
+            for (device, _), group in group_by_device_and_dtype(grads).items():
+                torch._foreach_mul_(group, inv_scale.to(device))
+        self.read_overflow_status_(found_inf)
+        if norm_sq is not None:
+            for _, group in group_by_device_and_dtype(grads).items():
+                add_sum_of_squares(group, norm_sq)
 
     def unscale_and_check_(
         self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
     ) -> None:
         """Multiply every gradient in place by ``inv_scale``; set ``found_inf`` (0-dim fp32)
         to 1 if any element is inf, -inf or NaN. Lists may mix dtypes and strides."""
+        if self.global_overflow_status:
+            return self._status_op(grads, found_inf, inv_scale, None)
         self._each_group("unscale_and_check_", grads, found_inf, inv_scale)
 
     def check_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
         """Read-only inf/NaN check: set ``found_inf`` to 1 on any non-finite element."""
+        if self.global_overflow_status:
+            return self._status_op(grads, found_inf, None, None)
         self._each_group("check_", grads, found_inf)
 
     def unscale_check_norm_(
@@ -198,10 +263,14 @@ class Backend:
         norm_sq: torch.Tensor,
     ) -> None:
         """Unscale and check, adding the fp32 sum of squares of the result to ``norm_sq``."""
+        if self.global_overflow_status:
+            return self._status_op(grads, found_inf, inv_scale, norm_sq)
         self._each_group("unscale_check_norm_", grads, found_inf, inv_scale, norm_sq)
 
     def check_norm_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, norm_sq: torch.Tensor) -> None:
         """Read-only check that also adds the fp32 sum of squares of ``grads`` to ``norm_sq``."""
+        if self.global_overflow_status:
+            return self._status_op(grads, found_inf, None, norm_sq)
         self._each_group("check_norm_", grads, found_inf, norm_sq)
 
     # -- device -----------------------------------------------------------------------

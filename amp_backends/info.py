@@ -37,9 +37,16 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
         rejected = registry.kernel_rejections(backend.device_type)
         if rejected and kernel_error is None:
             kernel_error = "; ".join(rejected)
+        built = backend.built_for_torch
+        mismatch = None
+        if built and built.split("+")[0] != torch.__version__.split("+")[0]:
+            mismatch = (f"its device extension is built for torch {built}, and this is torch {torch.__version__}: "
+                        f"install the extension's build for torch {torch.__version__.split('+')[0]}, or torch {built}")
         rows.append(
             {
                 "name": backend.name,
+                "built_for_torch": built,
+                "torch_mismatch": mismatch,
                 "available": reason is None,
                 "reason": reason,
                 "device_type": backend.device_type,
@@ -117,6 +124,9 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
     broken_kernels = [b for b in data["backends"] if b["kernel_error"]]
     if broken_kernels:
         out += ["", "Kernel problems:"] + [f"  {b['name']}: {b['kernel_error']}" for b in broken_kernels]
+    mismatched = [b for b in data["backends"] if b["torch_mismatch"]]
+    if mismatched:
+        out += ["", "Warning, torch version mismatch:"] + [f"  {b['name']}: {b['torch_mismatch']}" for b in mismatched]
     if data["shadowing"]:
         out += ["", "Built-in backends and third-party plugins:"] + [f"  {s['message']}" for s in data["shadowing"]]
     for name, owners in data["duplicates"].items():

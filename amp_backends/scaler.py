@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.amp.grad_scaler import OptState
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from .backend import group_by_device_and_dtype
 from .errors import StateDictError
@@ -100,6 +100,8 @@ class GradScaler(torch.amp.GradScaler):
         process_group: all-reduce found_inf over this group (``"world"``: the default group)
             so that ranks holding different gradients (ZeRO, hand-made shards) skip the same
             steps. FSDP2's DTensor gradients need none: torch's op reduces over their mesh.
+        dynamic: False for static loss scaling (torch_npu's ``dynamic=False``): the scale stays
+            ``init_scale``; steps with inf/NaN gradients are still skipped.
     """
 
     def __init__(
@@ -114,11 +116,13 @@ class GradScaler(torch.amp.GradScaler):
         device: str | torch.device | None = None,
         check_finite: bool = False,
         process_group: Any = None,
+        dynamic: bool = True,
     ) -> None:
         from .registry import resolve_backend
 
         enabled = _flag("enabled", enabled)
         self._check_finite = _flag("check_finite", check_finite)
+        self._dynamic = _flag("dynamic", dynamic)
         _check_factors(init_scale, growth_factor, backoff_factor, growth_interval, ValueError)
         self.backend: Backend = resolve_backend(backend, device)
         self._process_group = process_group
@@ -147,6 +151,31 @@ class GradScaler(torch.amp.GradScaler):
         self._warned_low_scale = False
 
     # -- where the backend acts ---------------------------------------------------------
+    def scale(self, outputs: Any) -> Any:
+        """torch's ``scale``, after the backend's :meth:`~amp_backends.Backend.on_scale` hook
+        (which clears a device-wide overflow status before backward)."""
+        if self._enabled or self._check_finite:
+            self.backend.on_scale(self)
+        return super().scale(outputs)
+
+    def _inv_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """1/scale as torch computes it (in float64), or in float32 where the device has no float64."""
+        return scale.double().reciprocal().float() if self.backend.has_fp64 else scale.reciprocal()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch's ``unscale_``; on a device without float64, 1/scale is computed in float32."""
+        if not self._enabled or self.backend.has_fp64:
+            return super().unscale_(optimizer)
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._inv_scale(scale), found_inf, False)
+        state["stage"] = OptState.UNSCALED
+
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -356,7 +385,7 @@ class GradScaler(torch.amp.GradScaler):
             return self._inf_when_scale_underflowed(total)
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
-        inv_scale = scale.double().reciprocal().float()
+        inv_scale = self._inv_scale(scale)
         norm_sq = torch.zeros((), dtype=torch.float32, device=scale.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         if fused:  # read-only: check and measure the still-scaled gradients
@@ -407,10 +436,13 @@ class GradScaler(torch.amp.GradScaler):
             device_flag = None
             if states and any(h is None for h in host):
                 device_flag = torch.stack([_sum_on(s["found_inf_per_device"], scale.device) for s in states]).sum() > 0
-            try:
+            if not states:
+                raise RuntimeError("No inf checks were recorded prior to update. "
+                                   "Call scaler.step(optimizer) before update().")
+            if self._dynamic:
                 super().update()
-            except AssertionError as exc:  # torch's message for a missing step()
-                raise RuntimeError(f"{exc} Call scaler.step(optimizer) before update().") from None
+            else:  # static loss scaling: the scale stays; only the iteration's state is reset
+                self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
             if device_flag is None:
                 self._record_update(any(host), index)
             else:
@@ -434,7 +466,7 @@ class GradScaler(torch.amp.GradScaler):
         if overflow:
             self._overflows += 1
             self._last_overflow = index
-        if self._mirror is None:
+        if self._mirror is None or not self._dynamic:
             return
         value, tracker = self._mirror
         if overflow:

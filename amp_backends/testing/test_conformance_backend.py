@@ -122,3 +122,48 @@ def test_unscale_and_check(backend, value, where):
     assert found.item() == (0.0 if value is None else 1.0)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_declared_op_limits_are_well_formed(backend):
+    """The declarative contract: what the device's own ops accept, stated consistently."""
+    if backend.unscale_dtypes is not None:
+        assert torch.float32 in backend.unscale_dtypes, "float32 gradients are the common case"
+    limit = backend.max_tensor_elements
+    assert limit is None or (isinstance(limit, int) and limit > 0)
+    assert isinstance(backend.has_fp64, bool) and isinstance(backend.global_overflow_status, bool)
+    assert backend.built_for_torch is None or isinstance(backend.built_for_torch, str)
+    if backend.global_overflow_status:
+        backend.clear_overflow_status()  # implemented, not the base class's NotImplementedError
+        found = torch.zeros((), device=backend.device())
+        backend.read_overflow_status_(found)
+        assert found.item() == 0.0, "cleared just now"
+
+
+@pytest.mark.parametrize("bad", [None, math.inf])
+def test_unscale_gradients_of_every_training_dtype(backend, bad):
+    """Gradients of float32 parameters, and of parameters kept in each autocast dtype (bf16
+    models), unscale to torch's CPU results: a device op that refuses a dtype must say so in
+    ``unscale_dtypes`` so the core can route around it."""
+    if backend.global_overflow_status:
+        pytest.skip("this device reports overflow through its status register, not per tensor")
+    dev = backend.device()
+    for dtype in {torch.float32, *backend.supported_dtypes()}:
+        if dtype == torch.float16:
+            continue  # fp16 parameters are refused by every scaler (keep them in fp32)
+        ref = [(torch.randn(5, 7) * 64).to(dtype), (torch.randn(7, 5) * 64).to(dtype).t()]
+        if bad is not None:
+            ref[1][4, 6] = bad
+        grads = [g.to(dev) for g in ref]
+        found, ref_found = torch.zeros((), device=dev), torch.zeros(())
+        inv = torch.tensor(1.0 / 64)
+        backend.unscale_and_check_(grads, found, inv.to(dev))
+        torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, inv)
+        assert found.item() == ref_found.item(), dtype
+        if bad is None:
+            assert all(torch.equal(g.cpu(), r) for g, r in zip(grads, ref)), dtype
+
+
+def test_scale_runs_the_backends_hook(backend):
+    scaler = amp_backends.GradScaler(backend, init_scale=4.0)
+    out = scaler.scale(torch.ones((), device=backend.device()))
+    assert out.item() == 4.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,25 @@ def _rank(rank: int, world: int, init: str, backend_name: str, out: str) -> None
         amp_backends.distributed.destroy_process_group()
 
 
+def _join(ranks: object, outputs: list[Path], deadline_s: float = 180.0, grace_s: float = 15.0) -> None:
+    """Wait for the ranks; a rank that raised fails the test. Ranks are judged by what they wrote:
+    one that wrote its result but hangs while tearing the process group down (seen with some
+    torch releases and Gloo) is ended after ``grace_s`` instead of hanging the suite."""
+    start = time.monotonic()
+    written_at = None
+    while not ranks.join(timeout=1):  # type: ignore[attr-defined]
+        now = time.monotonic()
+        if written_at is None and all(p.exists() for p in outputs):
+            written_at = now
+        if (written_at is not None and now - written_at > grace_s) or now - start > deadline_s:
+            for proc in ranks.processes:  # type: ignore[attr-defined]
+                if proc.is_alive():
+                    proc.kill()
+            if written_at is None:
+                pytest.fail(f"the ranks wrote no result within {deadline_s:g} s")
+            return
+
+
 def test_distributed_found_inf_agreement(backend):
     if not dist.is_available() or not dist.is_backend_available(backend.dist_backend):
         pytest.skip(f"distributed backend {backend.dist_backend!r} is not available in this torch")
@@ -119,6 +139,7 @@ def test_distributed_found_inf_agreement(backend):
 
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
-        mp.spawn(_rank, args=(2, init, backend.name, tmp), nprocs=2, join=True)
+        ranks = mp.spawn(_rank, args=(2, init, backend.name, tmp), nprocs=2, join=False)
+        _join(ranks, [Path(tmp, str(r)) for r in range(2)])
         results = [Path(tmp, str(r)).read_text() for r in range(2)]
     assert results[0] == results[1] == repr([False, True, False])

@@ -25,6 +25,11 @@ class MLUBackend(Backend):
     default_dtype = torch.float16
     dist_backend = "cncl"
     priority = 100
+    # torch_mlu's unscale kernel (csrc/aten/operators/bang/amp_unscale.cpp) takes float32 and
+    # float16 gradients only, and at most INT32_MAX elements per tensor: bf16 gradients (MLU590)
+    # and larger tensors are routed around it by the core.
+    unscale_dtypes = (torch.float32, torch.float16)
+    max_tensor_elements = 2**31 - 1
 
     def __init__(self) -> None:
         self._import_error: str | None = None

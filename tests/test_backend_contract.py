@@ -1,0 +1,237 @@
+"""The declarative part of the backend contract, on CPU backends that declare what a real
+device's op cannot do: the core adapts, with torch's results."""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import amp_backends
+from amp_backends import GradScaler, TorchKernel
+from amp_backends.info import collect, render
+
+
+class StrictKernel(TorchKernel):
+    """torch's op behind the limits of torch_mlu's (csrc/aten/operators/bang/amp_unscale.cpp):
+    float32 and float16 only, at most ``limit`` elements per tensor."""
+
+    name = "strict"
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.seen: list[tuple[torch.dtype, int]] = []
+
+    def _admit(self, grads):
+        for g in grads:
+            if g.dtype not in (torch.float32, torch.float16):
+                raise RuntimeError("Currently amp_unscale only support float32 and float16 dtype")
+            if self.limit is not None and g.numel() > self.limit:
+                raise RuntimeError(f"amp_unscale: tensor of {g.numel()} elements over the limit")
+            self.seen.append((g.dtype, g.numel()))
+
+    def unscale_and_check_(self, grads, found_inf, inv_scale):
+        self._admit(grads)
+        super().unscale_and_check_(grads, found_inf, inv_scale)
+
+    def check_(self, grads, found_inf):
+        self._admit(grads)
+        super().check_(grads, found_inf)
+
+
+def _backend(**declared) -> amp_backends.Backend:
+    be = copy.copy(amp_backends.get("cpu"))
+    kernel = declared.pop("kernel", None)
+    for key, value in declared.items():
+        setattr(be, key, value)
+    be._kernel = kernel or StrictKernel()
+    return be
+
+
+def _grads(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dense = (torch.randn(3, 4, generator=g) * 1000).to(dtype)
+    transposed = (torch.randn(4, 3, generator=g) * 1000).to(dtype).t()
+    sliced = (torch.randn(6, 6, generator=g) * 1000).to(dtype)[::2, 1::2]
+    return [dense, transposed, sliced]
+
+
+@pytest.mark.parametrize("bad", [None, math.inf, math.nan])
+def test_gradients_of_dtypes_the_op_refuses_go_through_float32_with_torchs_results(bad):
+    strict = _backend()
+    with pytest.raises(RuntimeError, match="only support float32 and float16"):
+        strict.unscale_and_check_(_grads(torch.bfloat16), torch.zeros(()), torch.tensor(0.125))
+    be = _backend(unscale_dtypes=(torch.float32, torch.float16))
+    ours, ref = _grads(torch.bfloat16), _grads(torch.bfloat16)
+    if bad is not None:
+        ours[2][1, 1] = ref[2][1, 1] = bad
+    found, ref_found = torch.zeros(()), torch.zeros(())
+    be.unscale_and_check_(ours, found, torch.tensor(0.125))
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, torch.tensor(0.125))
+    assert found.item() == ref_found.item() == (0.0 if bad is None else 1.0)
+    for a, b in zip(ours, ref):
+        assert a.dtype == torch.bfloat16 and a.stride() == b.stride()
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert {d for d, _ in be.kernel.seen} == {torch.float32}, "the device's op saw only what it accepts"
+    before = [g.clone() for g in ours]
+    found.zero_()
+    be.check_(ours, found)
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(ours, before)), "read-only stays read-only"
+
+
+def test_tensors_over_the_element_limit_go_in_slices():
+    be = _backend(max_tensor_elements=5, kernel=StrictKernel(limit=5))
+    ours, ref = _grads(torch.float32), _grads(torch.float32)
+    ours[1][2, 3] = ref[1][2, 3] = math.inf  # the last element of a transposed (non-contiguous) gradient
+    found, ref_found = torch.zeros(()), torch.zeros(())
+    be.unscale_and_check_(ours, found, torch.tensor(0.5))
+    torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, torch.tensor(0.5))
+    assert found.item() == ref_found.item() == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert max(n for _, n in be.kernel.seen) <= 5
+
+
+def test_a_scaler_trains_bf16_parameters_on_a_strict_device():
+    """check_finite with bf16 gradients: the conformance case that would raise on an MLU590."""
+    be = _backend(unscale_dtypes=(torch.float32, torch.float16), max_tensor_elements=16, kernel=StrictKernel(16))
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler(be, enabled=False, check_finite=True)
+    for step in range(3):
+        scaler.scale(model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum()).backward()
+        if step == 1:
+            model.weight.grad[3, 7] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert scaler.last_step_skipped is (step == 1)
+
+
+class StatusRegister:
+    """A device-wide overflow flag, as torch_npu keeps on chips without inf/NaN mode."""
+
+    def __init__(self) -> None:
+        self.overflow = False
+        self.clears = 0
+
+
+def _status_backend(register: StatusRegister) -> amp_backends.Backend:
+    be = _backend(global_overflow_status=True, has_fp64=False)
+
+    def clear(self):
+        register.overflow = False
+        register.clears += 1
+
+    def read(self, found_inf):
+        found_inf.fill_(1.0 if register.overflow else 0.0)
+        register.overflow = False
+
+    be.clear_overflow_status = types.MethodType(clear, be)
+    be.read_overflow_status_ = types.MethodType(read, be)
+    return be
+
+
+def test_a_global_overflow_status_is_cleared_by_scale_and_read_by_unscale():
+    register = StatusRegister()
+    be = _status_backend(register)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler(be, init_scale=8.0)
+    skipped = []
+    for step in range(4):
+        register.overflow = True  # left over from the previous step's forward: scale() clears it
+        loss = scaler.scale(model(torch.ones(1, 4)).sum())
+        if step == 2:
+            register.overflow = True  # an overflow during this step's backward
+        loss.backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        skipped.append(scaler.last_step_skipped)
+    assert skipped == [False, False, True, False] and register.clears == 4
+    assert scaler.get_scale() == 4.0
+    assert be.kernel.seen == [], "the tensors are not inspected: the status is the check"
+
+
+def test_without_float64_one_over_scale_is_computed_in_float32():
+    class Float64Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.double:
+                self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    for has_fp64, expected in ((True, True), (False, False)):
+        be = _backend(has_fp64=has_fp64)
+        model = torch.nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = GradScaler(be, init_scale=3.0)
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        grad = model.weight.grad.clone()
+        with Float64Calls() as mode:
+            scaler.unscale_(opt)
+        assert (mode.calls > 0) is expected
+        torch.testing.assert_close(model.weight.grad, grad / 3.0, rtol=1e-6, atol=0)
+
+
+def test_static_loss_scaling_keeps_the_scale_and_still_skips():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=128.0, growth_interval=1, dynamic=False)
+    for step in range(4):
+        scaler.scale(model(torch.ones(1, 2)).sum() * (math.inf if step == 1 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert scaler.get_scale() == 128.0 and scaler.stats.scale == 128.0
+    assert scaler.stats.skipped == 1 and scaler.stats.overflows == 1
+    with pytest.raises(TypeError, match="dynamic must be True or False"):
+        GradScaler("cpu", dynamic="no")
+
+
+def test_supported_dtypes_keep_only_autocast_dtypes(monkeypatch):
+    """torch_npu's get_amp_supported_dtype() lists float32 too."""
+    monkeypatch.setattr(torch, "fakenpu", types.SimpleNamespace(
+        get_amp_supported_dtype=lambda: [torch.float16, torch.bfloat16, torch.float32]), raising=False)
+
+    class Fake(amp_backends.Backend):
+        name = device_type = "fakenpu"
+
+        def is_available(self):
+            return True
+
+    assert Fake().supported_dtypes() == (torch.float16, torch.bfloat16)
+
+
+def test_info_warns_when_the_extension_is_built_for_another_torch(no_amp_env):
+    class Built(amp_backends.Backend):
+        name = "builtfor"
+        device_type = "cpu"
+        built_for_torch = "2.4.0"
+
+        def is_available(self):
+            return True
+
+    class Plugin:
+        @amp_backends.hookimpl
+        def amp_backends_register_backends(self, register):
+            register(Built())
+
+    amp_backends.register_plugin(Plugin(), name="builtfor")
+    try:
+        data = collect()
+        row = {b["name"]: b for b in data["backends"]}["builtfor"]
+        same = torch.__version__.split("+")[0] == "2.4.0"
+        assert (row["torch_mismatch"] is None) is same
+        if not same:
+            assert f"built for torch 2.4.0, and this is torch {torch.__version__}" in row["torch_mismatch"]
+            assert "Warning, torch version mismatch:" in render(data)
+    finally:
+        amp_backends.registry.default_registry().unregister_plugin("builtfor")
