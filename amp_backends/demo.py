@@ -306,7 +306,8 @@ def format_summary(result: dict[str, Any]) -> str:
     native = ", ".join(result["native_dtypes"]) or "none"
     emulated = ", ".join(result["emulated_dtypes"])
     speed = result["amp_speedup"]
-    verdict = "faster" if speed >= 1 else "slower"
+    # within 10% is run-to-run noise on a small model: no verdict, no advice
+    verdict = "faster" if speed >= 1.1 else "slower" if speed <= 0.9 else "about the same"
     lines = [
         f"backend {result['backend']} ({result['device']}), {'AMP ' + result['dtype'] if result['amp'] else 'fp32 (no AMP)'}",
         f"test accuracy      {100 * result['test_accuracy']:.2f}%",
@@ -318,7 +319,7 @@ def format_summary(result: dict[str, Any]) -> str:
         f"native dtypes      {native}" + (f"; emulated: {emulated}" if emulated else ""),
         f"AMP vs fp32 here   {speed:.2f}x ({verdict}, measured on this model)",
     ]
-    if speed < 1 and result["amp"]:
+    if speed <= 0.9 and result["amp"]:
         lines.append("                   AMP slows this device down: --no-amp trains faster here")
     return "\n".join(lines)
 

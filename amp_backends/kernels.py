@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL", "add_sum_of_squares"]
+__all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL", "add_sum_of_squares", "kernel_self_check"]
 
 
 def add_sum_of_squares(grads: Sequence[torch.Tensor], norm_sq: torch.Tensor) -> None:
@@ -95,3 +95,39 @@ class TorchKernel(Kernel):
 
 
 TORCH_KERNEL = TorchKernel()
+
+
+def kernel_self_check(kernel: Kernel, device: torch.device) -> str | None:
+    """What is wrong with ``kernel`` on ``device`` (None: nothing). Float32 and float16 gradients:
+    unscale values bitwise equal to torch's op, inf and NaN found, read-only ops write nothing,
+    the sum of squares right."""
+    for dtype in (torch.float32, torch.float16):
+        base = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.0, -0.75, 6.0, 1.0], dtype=dtype)
+        inv = torch.full((), 0.5, dtype=torch.float32, device=device)
+        for bad in (None, float("inf"), float("nan")):
+            grads = [base.clone().to(device), base[:5].clone().to(device)]
+            if bad is not None:
+                grads[1][2] = bad
+            reference = [g.clone() for g in grads]
+            found, ref_found = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
+            kernel.unscale_and_check_(grads, found, inv)
+            torch._amp_foreach_non_finite_check_and_unscale_(reference, ref_found, inv)
+            if bool(found.item()) != (bad is not None):
+                return f"{'missed an' if bad is not None else 'reported an'} inf/NaN in {dtype} gradients"
+            if bad is None and not all(torch.equal(a, b) for a, b in zip(grads, reference)):
+                return f"unscaled {dtype} values differ from torch's"
+            untouched = [g.clone() for g in grads]
+            found.zero_()
+            kernel.check_(grads, found)
+            if bool(found.item()) != (bad is not None):
+                return f"its read-only check {'missed' if bad is not None else 'invented'} an inf/NaN"
+            if not all(torch.equal(a, b) or (a.isnan().any() and b.isnan().any()) for a, b in zip(grads, untouched)):
+                return "its read-only check wrote the gradients"
+        grads = [base.clone().to(device)]
+        norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        kernel.unscale_check_norm_(grads, found, inv, norm_sq)
+        expected = float((base.double() * 0.5).pow(2).sum())
+        if abs(float(norm_sq.item()) - expected) > 1e-3 * expected:
+            return f"sum of squares {float(norm_sq.item()):g} where {expected:g} is right"
+    return None

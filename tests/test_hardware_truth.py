@@ -111,6 +111,8 @@ def test_demo_says_what_is_native_and_measures_amp_against_fp32(fake_cpu, capsys
         assert cli.main(["demo", "--epochs", "1", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert line in out and "AMP vs fp32 here" in out and "x (" in out
+    speed = float(out.split("AMP vs fp32 here")[1].split("x (")[0])
+    assert ("--no-amp trains faster here" in out) is (speed <= 0.9)
     assert any(issubclass(w.category, PerformanceWarning) for w in caught) is (features == EMULATED)
 
 
