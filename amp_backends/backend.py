@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 import warnings
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -221,9 +221,8 @@ class Backend:
             stand_ins = [g.float() if through_fp32 else g for g in group]
             if limit is not None:
                 stand_ins = [s.contiguous() if s.numel() > limit else s for s in stand_ins]
-            pieces = [p for s in stand_ins for p in (s.view(-1).split(limit) if limit and s.numel() > limit else (s,))]
-            for _, chunk in group_by_device_and_dtype(pieces).items():
-                run(chunk, *args)
+            # one device and one dtype still: the pieces go to the op together
+            run([p for s in stand_ins for p in (s.view(-1).split(limit) if limit and s.numel() > limit else (s,))], *args)
             if writes:
                 for g, s in zip(group, stand_ins):
                     if s is not g:
@@ -232,12 +231,13 @@ class Backend:
     def _status_op(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None,
                    norm_sq: torch.Tensor | None) -> None:
         """The ops of a device with a global overflow status: scale, read the status, measure."""
+        groups = group_by_device_and_dtype(grads)
         if inv_scale is not None:
-            for (device, _), group in group_by_device_and_dtype(grads).items():
+            for (device, _), group in groups.items():
                 torch._foreach_mul_(group, inv_scale.to(device))
         self.read_overflow_status_(found_inf)
         if norm_sq is not None:
-            for _, group in group_by_device_and_dtype(grads).items():
+            for group in groups.values():
                 add_sum_of_squares(group, norm_sq)
 
     def unscale_and_check_(

@@ -100,7 +100,14 @@ TORCH_KERNEL = TorchKernel()
 def kernel_self_check(kernel: Kernel, device: torch.device) -> str | None:
     """What is wrong with ``kernel`` on ``device`` (None: nothing). Float32 and float16 gradients:
     unscale values bitwise equal to torch's op, inf and NaN found, read-only ops write nothing,
-    the sum of squares right."""
+    the sum of squares right; a kernel that raises is reported, not propagated."""
+    try:
+        return _self_check_problem(kernel, device)
+    except Exception as exc:  # noqa: BLE001 - a broken kernel is a finding, not a crash
+        return f"raised {type(exc).__name__}: {exc}"
+
+
+def _self_check_problem(kernel: Kernel, device: torch.device) -> str | None:
     for dtype in (torch.float32, torch.float16):
         base = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.0, -0.75, 6.0, 1.0], dtype=dtype)
         inv = torch.full((), 0.5, dtype=torch.float32, device=device)

@@ -310,7 +310,7 @@ class Registry:
                 return self.get(chosen)
             usable = self.available()
             if not usable:
-                reasons = "; ".join(f"{n}: {_safe_reason(b)}" for n, (b, _, _) in sorted(self._backends.items()))
+                reasons = "; ".join(f"{n}: {probe(b)}" for n, (b, _, _) in sorted(self._backends.items()))
                 raise BackendUnavailableError(f"no backend is available ({reasons or 'none registered'})")
             best = usable[0].lower()
             self._warn_shadowing(best)
@@ -324,7 +324,7 @@ class Registry:
         if entry is None:
             raise self._missing(name, key)
         backend = entry[0]
-        reason = _safe_reason(backend)
+        reason = probe(backend)
         if reason is not None:
             raise BackendUnavailableError(f"backend {backend.name!r} is not available: {reason}")
         self._warn_shadowing(key)
@@ -419,10 +419,7 @@ class Registry:
         key = (kernel.name, backend.device_type)
         if key in self._kernel_rejections:
             return self._kernel_rejections[key]
-        try:
-            problem = kernel_self_check(kernel, backend.device())
-        except Exception as exc:  # noqa: BLE001
-            problem = f"raised {type(exc).__name__}: {exc}"
+        problem = kernel_self_check(kernel, backend.device())
         if problem is None:
             return None
         message = (f"kernel {kernel.name!r} from {record.package} failed its self-check on {backend.device_type} "
@@ -502,8 +499,6 @@ def probe(backend: Backend) -> str | None:
 def _safe_available(backend: Backend) -> bool:
     return probe(backend) is None
 
-
-_safe_reason = probe
 
 
 def _plugin_error(name: str, record: PluginRecord) -> BackendUnavailableError:

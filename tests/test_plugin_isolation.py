@@ -177,3 +177,18 @@ def test_a_probe_must_answer_a_bool(tmp_path):
     print(json.dumps({"best": amp_backends.get().name, "err": err}))
     """, [root])
     assert out["best"] == "cpu" and "is_available() returned str 'no', not True or False" in out["err"]
+
+
+def test_a_forced_kernel_that_raises_is_refused_clearly(tmp_path):
+    root = write_distribution(tmp_path / "f", "fastk-amp", "fastk_amp",
+                              KERNEL_SOURCE.replace("BODY", "raise RuntimeError('kernel crashed')"), {"fastk": "fastk_amp"})
+    out = run_json("""
+    import json, amp_backends
+    try:
+        amp_backends.get("cpu").kernel
+        err = ""
+    except amp_backends.BackendUnavailableError as e:
+        err = str(e)
+    print(json.dumps(err))
+    """, [root], {"AMP_BACKENDS_KERNEL": "fast"})
+    assert "AMP_BACKENDS_KERNEL='fast' cannot run on 'cpu': it failed its self-check (raised RuntimeError: kernel crashed)" in out
