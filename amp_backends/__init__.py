@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from .arena import FlatGrads, flat_grads
 from .backend import Backend
 from .errors import (
     AmpBackendsError,
@@ -45,6 +46,7 @@ __all__ = [
     "Backend",
     "BackendUnavailableError",
     "DuplicateBackendError",
+    "FlatGrads",
     "GradScaler",
     "Kernel",
     "PerformanceWarning",
@@ -57,6 +59,7 @@ __all__ = [
     "__version__",
     "autocast_module",
     "available",
+    "flat_grads",
     "get",
     "hookimpl",
     "hookspec",

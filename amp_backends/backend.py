@@ -13,6 +13,7 @@ from .errors import PerformanceWarning, UnsupportedDtypeError
 from .kernels import Kernel, add_sum_of_squares
 
 if TYPE_CHECKING:
+    from .arena import FlatGroup
     from .scaler import GradScaler
 
 __all__ = ["Backend", "group_by_device_and_dtype"]
@@ -33,6 +34,15 @@ def group_by_device_and_dtype(
     for t in tensors:
         groups[(t.device, t.dtype)].append(t)
     return groups
+
+
+def _kernel_op(kernel: Kernel, found_inf: torch.Tensor, inv_scale: torch.Tensor | None,
+               norm_sq: torch.Tensor | None) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    if inv_scale is None:
+        return (kernel.check_, (found_inf,)) if norm_sq is None else (kernel.check_norm_, (found_inf, norm_sq))
+    if norm_sq is None:
+        return kernel.unscale_and_check_, (found_inf, inv_scale)
+    return kernel.unscale_check_norm_, (found_inf, inv_scale, norm_sq)
 
 
 class Backend:
@@ -206,54 +216,71 @@ class Backend:
         last clear, and clear it (only with :attr:`global_overflow_status`)."""
         raise NotImplementedError(f"{type(self).__name__} sets global_overflow_status: implement read_overflow_status_()")
 
-    def _each_group(self, op: str, grads: Sequence[torch.Tensor], *args: torch.Tensor) -> None:
-        """Run kernel op ``op`` once per (device, dtype) group of ``grads``, within the dtypes
-        and tensor sizes the device's op accepts."""
-        run = getattr(self.kernel, op)
-        writes = op.startswith("unscale")
+    def _run_group(self, dtype: torch.dtype, grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
+                   inv_scale: torch.Tensor | None, norm_sq: torch.Tensor | None) -> None:
+        """The op on one list of gradients that share a device and ``dtype`` (no regrouping):
+        unscale and check when ``inv_scale`` is set, else check; the fp32 sum of squares to
+        ``norm_sq`` when given. Within the dtypes and sizes the device's op accepts."""
+        if self.global_overflow_status:
+            return self._status_op(grads, grads, found_inf, inv_scale, norm_sq)
+        kernel = self.kernel
+        op, args = _kernel_op(kernel, found_inf, inv_scale, norm_sq)
         limit = self.max_tensor_elements
-        for (_, dtype), group in group_by_device_and_dtype(grads).items():
-            through_fp32 = self.unscale_dtypes is not None and dtype not in self.unscale_dtypes
-            if not through_fp32 and (limit is None or all(g.numel() <= limit for g in group)):
-                run(group, *args)
-                continue
-            # work on stand-ins (float32 copies, contiguous copies to slice), written back after
-            stand_ins = [g.float() if through_fp32 else g for g in group]
-            if limit is not None:
-                stand_ins = [s.contiguous() if s.numel() > limit else s for s in stand_ins]
-            # one device and one dtype still: the pieces go to the op together
-            run([p for s in stand_ins for p in (s.view(-1).split(limit) if limit and s.numel() > limit else (s,))], *args)
-            if writes:
-                for g, s in zip(group, stand_ins):
-                    if s is not g:
-                        g.copy_(s)
-
-    def _status_op(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None,
-                   norm_sq: torch.Tensor | None) -> None:
-        """The ops of a device with a global overflow status: scale, read the status, measure."""
-        groups = group_by_device_and_dtype(grads)
+        through_fp32 = not self._takes(kernel, dtype)
+        if not through_fp32 and (limit is None or all(g.numel() <= limit for g in grads)):
+            return op(grads, *args)
+        # work on stand-ins (float32 copies, contiguous copies to slice), written back after
+        stand_ins = [g.float() if through_fp32 else g for g in grads]
+        if limit is not None:
+            stand_ins = [s.contiguous() if s.numel() > limit else s for s in stand_ins]
+        # one device and one dtype still: the pieces go to the op together
+        op([p for s in stand_ins for p in (s.view(-1).split(limit) if limit and s.numel() > limit else (s,))], *args)
         if inv_scale is not None:
-            for (device, _), group in groups.items():
-                torch._foreach_mul_(group, inv_scale.to(device))
+            for g, s in zip(grads, stand_ins):
+                if s is not g:
+                    g.copy_(s)
+
+    def _takes(self, kernel: Kernel, dtype: torch.dtype) -> bool:
+        """Whether ``kernel`` runs gradients of ``dtype`` as they are (else through float32)."""
+        if kernel.handles_dtypes is not None and dtype in kernel.handles_dtypes:
+            return True
+        return self.unscale_dtypes is None or dtype in self.unscale_dtypes
+
+    def _run_flat(self, group: FlatGroup, found_inf: torch.Tensor, inv_scale: torch.Tensor | None,
+                  norm_sq: torch.Tensor | None) -> None:
+        """The op on one arena group: the kernel's flat op on the buffer where the device's op
+        takes it whole, else the per-tensor op on the group's views (no walk either way)."""
+        if self.global_overflow_status:
+            return self._status_op([group.buffer], group.views(), found_inf, inv_scale, norm_sq)
+        limit = self.max_tensor_elements
+        if not self._takes(self.kernel, group.dtype) or (limit is not None and group.buffer.numel() > limit):
+            return self._run_group(group.dtype, group.views(), found_inf, inv_scale, norm_sq)
+        self.kernel.flat_op_(group, found_inf, inv_scale, norm_sq)
+
+    def _status_op(self, to_scale: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
+                   inv_scale: torch.Tensor | None, norm_sq: torch.Tensor | None) -> None:
+        """The ops of a device with a global overflow status: scale, read the status, measure."""
+        if inv_scale is not None:
+            torch._foreach_mul_(list(to_scale), inv_scale)
         self.read_overflow_status_(found_inf)
         if norm_sq is not None:
-            for group in groups.values():
-                add_sum_of_squares(group, norm_sq)
+            add_sum_of_squares(grads, norm_sq)
+
+    def _each_group(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None,
+                    norm_sq: torch.Tensor | None) -> None:
+        for (device, dtype), group in group_by_device_and_dtype(grads).items():
+            self._run_group(dtype, group, found_inf, None if inv_scale is None else inv_scale.to(device), norm_sq)
 
     def unscale_and_check_(
         self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
     ) -> None:
         """Multiply every gradient in place by ``inv_scale``; set ``found_inf`` (0-dim fp32)
         to 1 if any element is inf, -inf or NaN. Lists may mix dtypes and strides."""
-        if self.global_overflow_status:
-            return self._status_op(grads, found_inf, inv_scale, None)
-        self._each_group("unscale_and_check_", grads, found_inf, inv_scale)
+        self._each_group(grads, found_inf, inv_scale, None)
 
     def check_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
         """Read-only inf/NaN check: set ``found_inf`` to 1 on any non-finite element."""
-        if self.global_overflow_status:
-            return self._status_op(grads, found_inf, None, None)
-        self._each_group("check_", grads, found_inf)
+        self._each_group(grads, found_inf, None, None)
 
     def unscale_check_norm_(
         self,
@@ -263,15 +290,11 @@ class Backend:
         norm_sq: torch.Tensor,
     ) -> None:
         """Unscale and check, adding the fp32 sum of squares of the result to ``norm_sq``."""
-        if self.global_overflow_status:
-            return self._status_op(grads, found_inf, inv_scale, norm_sq)
-        self._each_group("unscale_check_norm_", grads, found_inf, inv_scale, norm_sq)
+        self._each_group(grads, found_inf, inv_scale, norm_sq)
 
     def check_norm_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, norm_sq: torch.Tensor) -> None:
         """Read-only check that also adds the fp32 sum of squares of ``grads`` to ``norm_sq``."""
-        if self.global_overflow_status:
-            return self._status_op(grads, found_inf, None, norm_sq)
-        self._each_group("check_norm_", grads, found_inf, norm_sq)
+        self._each_group(grads, found_inf, None, norm_sq)
 
     # -- device -----------------------------------------------------------------------
     def device(self, index: int | None = None) -> torch.device:

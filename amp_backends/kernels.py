@@ -7,11 +7,15 @@ A :class:`Kernel` works on one list of gradients that share a device and a dtype
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL", "add_sum_of_squares", "kernel_self_check"]
+if TYPE_CHECKING:
+    from .arena import FlatGroup
+
+__all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL", "add_sum_of_squares", "kernel_self_check", "through_float32"]
 
 
 def add_sum_of_squares(grads: Sequence[torch.Tensor], norm_sq: torch.Tensor) -> None:
@@ -40,6 +44,9 @@ class Kernel:
     #: True when :meth:`unscale_check_norm_` measures the norm in the same pass as the
     #: unscale; the scaler's ``clip_grad_norm_`` then uses it instead of torch's recipe.
     one_pass_norm: bool = False
+    #: Gradient dtypes this kernel handles itself on every device (None: it relies on the
+    #: device's op, so the backend's ``unscale_dtypes`` apply).
+    handles_dtypes: tuple[torch.dtype, ...] | None = None
 
     def supports(self, device_type: str) -> bool:
         """Whether this kernel can run on tensors of ``device_type`` (when forced)."""
@@ -83,8 +90,39 @@ class Kernel:
         self.check_(grads, found_inf)
         add_sum_of_squares(grads, norm_sq)
 
+    def flat_op_(
+        self,
+        group: FlatGroup,
+        found_inf: torch.Tensor,
+        inv_scale: torch.Tensor | None,
+        norm_sq: torch.Tensor | None,
+    ) -> None:
+        """The ops on one arena group (:class:`~amp_backends.arena.FlatGroup`): unscale and check
+        (``inv_scale`` set) or check only, adding the fp32 sum of squares to ``norm_sq`` if given.
+
+        The default runs this kernel's own op once on the whole buffer (its zero gaps change
+        nothing) and measures the norm over the views, as the per-tensor path does."""
+        group.clear_gaps_()
+        if inv_scale is None:
+            self.check_([group.buffer], found_inf)
+        else:
+            self.unscale_and_check_([group.buffer], found_inf, inv_scale)
+        if norm_sq is not None:
+            add_sum_of_squares(group.views(), norm_sq)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def through_float32(op: Callable[..., None], grads: Sequence[torch.Tensor], *args: torch.Tensor,
+                    write: bool) -> None:
+    """Run ``op`` on float32 copies of ``grads`` (written back when ``write``): the results of
+    torch's op, which computes in float32, for dtypes a device's op does not take (bf16 on CUDA)."""
+    stand_ins = [g.float() for g in grads]
+    op(stand_ins, *args)
+    if write:
+        for g, s in zip(grads, stand_ins):
+            g.copy_(s)
 
 
 class TorchKernel(Kernel):

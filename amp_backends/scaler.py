@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from .arena import FlatGrads, flat_grads_of
 from .backend import group_by_device_and_dtype
 from .errors import StateDictError
 
@@ -45,6 +46,10 @@ _STATE_KEYS: dict[str, type] = {
     "_growth_tracker": int,
 }
 _INT32_MAX = 2**31 - 1
+_FP16_PARAMS = (
+    "Attempting to unscale FP16 gradients: the parameters themselves are float16. Keep parameters "
+    "in float32 and let autocast lower the compute, or use bf16 without a scaler."
+)
 #: With fused optimizers the overflow flags stay on the device; the scale is read (one
 #: host sync) this often to notice a collapsing scale.
 _LOW_SCALE_CHECK_EVERY = 64
@@ -148,6 +153,8 @@ class GradScaler(torch.amp.GradScaler):
         self._last_skipped: bool | torch.Tensor = False
         self._device_counts: dict[str, torch.Tensor] = {}
         self._mirror: tuple[float, int] | None = (_f32(float(init_scale)), 0)
+        #: the arena whose buffers the last gradient op ran on (None: the per-tensor path)
+        self._arena: FlatGrads | None = None
         self._warned_low_scale = False
 
     # -- where the backend acts ---------------------------------------------------------
@@ -200,46 +207,31 @@ class GradScaler(torch.amp.GradScaler):
         allow_fp16: bool,
         norm_sq: torch.Tensor | None = None,
     ) -> dict[torch.device, torch.Tensor]:
-        """One walk over the optimizer's gradients, then the backend's op per (device, dtype).
+        """The backend's op per (device, dtype) group of the optimizer's gradients: on the
+        buffers of its :func:`~amp_backends.flat_grads` arena when the gradients are there,
+        else after one walk over the gradients.
 
         ``inv_scale`` None is a read-only check; ``norm_sq`` (on ``found_inf``'s device) also
         receives the fp32 sum of squares of the (unscaled) gradients. Returns found_inf per device.
         """
-        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        arena = flat_grads_of(optimizer)
+        self._arena = arena if arena is not None and arena.attached() else None
+        be = self.backend
+        found: dict[torch.device, torch.Tensor] = {}
+        partials: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    grad = param.grad
-                    if grad is None:
-                        continue
-                    if not allow_fp16 and grad.dtype == torch.float16:
-                        raise ValueError(
-                            "Attempting to unscale FP16 gradients: the parameters themselves are "
-                            "float16. Keep parameters in float32 and let autocast lower the "
-                            "compute, or use bf16 without a scaler."
-                        )
-                    if grad.is_sparse:
-                        # coalesce where duplicates matter: fp16 sums may overflow, norms count each index once
-                        if grad.dtype is torch.float16 or norm_sq is not None:
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    groups[grad.device][grad.dtype].append(grad)
-            found: dict[torch.device, torch.Tensor] = {}
-            be = self.backend
-            for device, by_dtype in groups.items():
-                found[device] = found_inf.to(device, non_blocking=True, copy=True)
-                inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
-                partial = None if norm_sq is None else torch.zeros((), dtype=torch.float32, device=device)
-                for grads in by_dtype.values():
-                    if inv is None and partial is None:
-                        be.check_(grads, found[device])
-                    elif inv is None:
-                        be.check_norm_(grads, found[device], partial)
-                    elif partial is None:
-                        be.unscale_and_check_(grads, found[device], inv)
-                    else:
-                        be.unscale_check_norm_(grads, found[device], inv, partial)
-                if partial is not None:
+            if self._arena is not None:
+                for flat in self._arena.groups:
+                    if not allow_fp16 and flat.dtype == torch.float16:
+                        raise ValueError(_FP16_PARAMS)
+                    inv, partial = self._per_device(flat.device, found, partials, found_inf, inv_scale, norm_sq)
+                    be._run_flat(flat, found[flat.device], inv, partial)
+            else:
+                for (device, dtype), grads in self._walk(optimizer, allow_fp16, norm_sq is not None).items():
+                    inv, partial = self._per_device(device, found, partials, found_inf, inv_scale, norm_sq)
+                    be._run_group(dtype, grads, found[device], inv, partial)
+            if norm_sq is not None:
+                for partial in partials.values():
                     norm_sq.add_(partial.to(norm_sq.device))
             if self._process_group is not None:
                 import torch.distributed as dist
@@ -248,6 +240,54 @@ class GradScaler(torch.amp.GradScaler):
                 for tensor in found.values():
                     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=pg)
         return found
+
+    @staticmethod
+    def _per_device(
+        device: torch.device,
+        found: dict[torch.device, torch.Tensor],
+        partials: dict[torch.device, torch.Tensor],
+        found_inf: torch.Tensor,
+        inv_scale: torch.Tensor | None,
+        norm_sq: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """found_inf (and the norm's partial sum) for ``device``, made on first use; inv_scale there."""
+        if device not in found:
+            # the caller's found_inf serves its own device (it is fresh for this call); copies elsewhere
+            found[device] = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
+            if norm_sq is not None:
+                partials[device] = torch.zeros((), dtype=torch.float32, device=device)
+        if inv_scale is None or inv_scale.device == device:
+            return inv_scale, partials.get(device)
+        return inv_scale.to(device, non_blocking=True), partials.get(device)
+
+    @staticmethod
+    def _walk(
+        optimizer: torch.optim.Optimizer, allow_fp16: bool, for_norm: bool
+    ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+        """The one walk over the gradients, grouped by device then dtype in order of appearance."""
+        groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                dtype = grad.dtype
+                if dtype is torch.float16 and not allow_fp16:
+                    raise ValueError(_FP16_PARAMS)
+                if grad.is_sparse:
+                    # coalesce where duplicates matter: fp16 sums may overflow, norms count each index once
+                    if dtype is torch.float16 or for_norm:
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                device = grad.device
+                by_dtype = groups.get(device)
+                if by_dtype is None:
+                    by_dtype = groups[device] = {}
+                bucket = by_dtype.get(dtype)
+                if bucket is None:
+                    by_dtype[dtype] = bucket = []
+                bucket.append(grad)
+        return {(d, t): grads for d, by_dtype in groups.items() for t, grads in by_dtype.items()}
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scale is None or self._growth_tracker is None:
@@ -371,17 +411,27 @@ class GradScaler(torch.amp.GradScaler):
         """
         max_norm = float(max_norm)
         norm_type = float(norm_type)
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        for p in params:
-            if p.grad.is_sparse:
-                p.grad = p.grad.coalesce()
+        arena = flat_grads_of(optimizer)
+        params: list[torch.Tensor] = []
+        if arena is None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    p.grad = p.grad.coalesce()
         stage = self._per_optimizer_states[id(optimizer)]["stage"] if self._enabled else OptState.UNSCALED
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         one_pass = norm_type == 2.0 and (fused or self.backend.kernel.one_pass_norm)
         if stage is not OptState.READY or not one_pass:
             if stage is OptState.READY:
-                self.unscale_(optimizer)
-            total = torch.nn.utils.clip_grad_norm_(_dense_grad_holders(params), max_norm, norm_type=norm_type)
+                self.unscale_(optimizer)  # sets self._arena: the buffers hold the gradients, or not
+            elif arena is not None:
+                self._arena = arena if arena.attached() else None
+            if self._arena is not None and self._arena is arena:
+                total = _clip_flat(arena, max_norm, norm_type)
+            else:
+                if arena is not None:  # not in the arena now: the per-tensor walk after all
+                    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+                total = torch.nn.utils.clip_grad_norm_(_dense_grad_holders(params), max_norm, norm_type=norm_type)
             return self._inf_when_scale_underflowed(total)
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
@@ -398,7 +448,12 @@ class GradScaler(torch.amp.GradScaler):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if fused:
             optimizer.grad_scale = scale * getattr(optimizer, "grad_scale", 1) / coef  # type: ignore[attr-defined]
+        elif self._arena is not None:
+            for flat in self._arena.groups:
+                torch._foreach_mul_([flat.buffer], coef.to(flat.device))
         else:
+            if arena is not None:
+                params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             for (device, _), grads in group_by_device_and_dtype(p.grad for p in params).items():
                 c = coef.to(device)
                 torch._foreach_mul_([g for g in grads if not g.is_sparse], c)
@@ -558,6 +613,7 @@ class GradScaler(torch.amp.GradScaler):
             )
         state = super().__getstate__()
         state["backend"] = self.backend.name  # resolved again from the registry on load
+        state["_arena"] = None
         state["_mirror"] = (_f32(state["_init_scale"]), state["_init_growth_tracker"]) if self._enabled else None
         return state
 
@@ -570,6 +626,29 @@ class GradScaler(torch.amp.GradScaler):
 
     def __repr__(self) -> str:
         return f"<GradScaler backend={self.backend.name!r} enabled={self._enabled}>"
+
+
+def _clip_flat(arena: FlatGrads, max_norm: float, norm_type: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` on an arena, with its results bit for bit: the same
+    norms of the same views, stacked in the same order; the clip multiplies each whole buffer
+    by the coefficient with the op torch uses per gradient (foreach where the device has it)."""
+    from torch.utils._foreach_utils import _device_has_foreach_support
+
+    norms: list[torch.Tensor] = []
+    for flat in arena.groups:  # where torch loops over vector_norm, _foreach_norm runs that loop in C++
+        norms.extend(torch._foreach_norm(flat.views(), norm_type))
+    if not norms:
+        return torch.tensor(0.0)
+    first = arena.groups[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for flat in arena.groups:
+        c = coef.to(flat.device)
+        if _device_has_foreach_support(flat.device):
+            torch._foreach_mul_([flat.buffer], c)
+        else:
+            flat.buffer.mul_(c)
+    return total
 
 
 def _dense_grad_holders(params: list[torch.Tensor]) -> list[torch.Tensor]:

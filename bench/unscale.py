@@ -36,12 +36,22 @@ GPT2_SMALL = (
 
 
 def grads(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """Random gradients, never zero, drawn on the device (fast for GPT-2's 124M values)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for shape in shapes:
-        t = (torch.rand(shape, generator=g) + 0.5) * torch.sign(torch.randn(shape, generator=g) + 1e-3)
-        out.append(t.to(device=device, dtype=dtype))
+        t = torch.rand(shape, generator=g, device=device) + 0.5
+        t *= torch.sign(torch.randn(shape, generator=g, device=device) + 1e-3)
+        out.append(t.to(dtype))
     return out
+
+
+class _Rows(list):
+    """The result rows; each one announced on stderr as it is measured."""
+
+    def append(self, row: dict[str, object]) -> None:
+        print(f"measured: {row['case']}", file=sys.stderr, flush=True)
+        super().append(row)
 
 
 def timer(device: str, warmup: int, reps: int) -> Callable[[Callable[[], object]], float]:
@@ -104,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(device)
     one = torch.ones((), device=dev)
     inv = torch.full((), 1.0, device=dev)  # applied again and again: keeps the data unchanged
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, object]] = _Rows()
 
     def found() -> torch.Tensor:
         return torch.zeros((), device=dev)
@@ -128,13 +138,53 @@ def main(argv: list[str] | None = None) -> int:
                  "speedup": t_ref / t_ours, "GB/s": 2 * nbytes / t_ours / 1e9, "pct_of_copy": 100 * (2 * nbytes / t_ours) / copy_bw})
     del src, buf
 
+    # 2b. an arena (aligned slots: the vectorized path) and the same gradients packed from a base
+    #     2 bytes off 16-byte alignment (the masked, scalar path), against torch's op on the same layouts
+    import amp_backends
+
+    def anchor(fn: Callable[[], object], t_ours: float) -> dict[str, float]:
+        """torch's op where it runs (its CUDA kernel has no bf16: then no anchor)."""
+        try:
+            fn()
+        except (NotImplementedError, RuntimeError):
+            return {}
+        t = measure(fn)
+        return {"torch_ms": t * 1e3, "speedup": t / t_ours}
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        src_grads = grads(gpt2, dtype, device, seed=4)
+        params = [torch.nn.Parameter(torch.empty_like(t)) for t in src_grads]
+        arena = amp_backends.flat_grads(torch.optim.SGD(params, lr=0.0))
+        for p, t in zip(params, src_grads):
+            p.grad.copy_(t)
+        group = arena.groups[0]
+        views = group.views()
+        n_bytes = sum(t.numel() for t in views) * views[0].element_size()
+        t_ours = measure(lambda group=group: ours.flat_op_(group, found(), inv, None))
+        t_ref = anchor(lambda views=views: torch_op.unscale_and_check_(views, found(), inv), t_ours)
+        rows.append({"case": f"arena unscale+check GPT-2 {str(dtype)[6:]}", "ours_ms": t_ours * 1e3,
+                     **t_ref, "GB/s": 2 * n_bytes / t_ours / 1e9, "pct_of_copy": 100 * (2 * n_bytes / t_ours) / copy_bw})
+        total = sum(t.numel() for t in src_grads)
+        raw = torch.empty(total + 8, dtype=dtype, device=dev)
+        base = raw[1:]  # 2 or 4 bytes past an aligned allocation
+        packed, at = [], 0
+        for t in src_grads:
+            packed.append(base[at:at + t.numel()].view(t.shape))
+            packed[-1].copy_(t)
+            at += t.numel()
+        t_ours = measure(lambda packed=packed: ours.unscale_and_check_(packed, found(), inv))
+        t_ref = anchor(lambda packed=packed: torch_op.unscale_and_check_(packed, found(), inv), t_ours)
+        rows.append({"case": f"misaligned unscale+check GPT-2 {str(dtype)[6:]}", "ours_ms": t_ours * 1e3,
+                     **t_ref, "GB/s": 2 * n_bytes / t_ours / 1e9, "pct_of_copy": 100 * (2 * n_bytes / t_ours) / copy_bw})
+        del params, arena, group, views, raw, base, packed, src_grads
+
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         g = grads(gpt2, dtype, device, seed=1)
         n_bytes = sum(t.numel() for t in g) * g[0].element_size()
         t_ours = measure(lambda g=g: ours.unscale_and_check_(g, found(), inv))
-        t_ref = measure(lambda g=g: torch_op.unscale_and_check_(g, found(), inv))
+        t_ref = anchor(lambda g=g: torch_op.unscale_and_check_(g, found(), inv), t_ours)
         rows.append({"case": f"unscale+check GPT-2 small {str(dtype)[6:]}", "ours_ms": t_ours * 1e3,
-                     "torch_ms": t_ref * 1e3, "speedup": t_ref / t_ours, "GB/s": 2 * n_bytes / t_ours / 1e9})
+                     **t_ref, "GB/s": 2 * n_bytes / t_ours / 1e9})
 
     # 3. unscale + clip: ours = one fused pass + the clip multiply; torch = unscale_ + clip_grad_norm_(foreach)
     g = grads(gpt2, torch.float32, device, seed=2)
@@ -179,13 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": args.smoke,
     }
     print(f"# {header['device']} | torch {header['torch']} | triton {header['triton']} | {header['date']}")
-    print(f"{'case':<36} {'ours ms':>9} {'torch ms':>9} {'speedup':>8} {'GB/s':>8} {'% copy':>7}")
+    print(f"{'case':<40} {'ours ms':>9} {'torch ms':>9} {'speedup':>8} {'GB/s':>8} {'% copy':>7}")
     for r in rows:
         def cell(key: str, fmt: str, r: dict[str, object] = r) -> str:
             width = int(fmt.split(".")[0])
             return format(r[key], fmt) if key in r else "-".rjust(width)
 
-        print(f"{r['case']:<36} {cell('ours_ms', '9.3f')} {cell('torch_ms', '9.3f')} {cell('speedup', '8.2f')} "
+        print(f"{r['case']:<40} {cell('ours_ms', '9.3f')} {cell('torch_ms', '9.3f')} {cell('speedup', '8.2f')} "
               f"{cell('GB/s', '8.0f')} {cell('pct_of_copy', '7.1f')}")
     if args.json:
         with open(args.json, "w") as fh:

@@ -4,6 +4,8 @@ and torch's clip recipe (``unscale_`` then ``torch.nn.utils.clip_grad_norm_``), 
 
 --wrap fsdp2:        ``torch.distributed.fsdp.fully_shard``; gradients are DTensor shards.
 --wrap ddp-buckets:  DDP with ``gradient_as_bucket_view=True``; gradients are views into buckets.
+--wrap ddp:          DDP as it comes (gradients copied back from its buckets).
+--arena:             ours keeps its gradients in ``amp_backends.flat_grads(opt)``.
 --fused:             AdamW(fused=True): the scaler's clip is folded into the optimizer's grad_scale.
 
 At --inject-step, inf enters rank --inject-rank's own gradient (its shard, or its local
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,8 +27,9 @@ import amp_backends
 from amp_backends import distributed
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--wrap", choices=["fsdp2", "ddp-buckets"], required=True)
+parser.add_argument("--wrap", choices=["fsdp2", "ddp-buckets", "ddp"], required=True)
 parser.add_argument("--fused", action="store_true")
+parser.add_argument("--arena", action="store_true")
 parser.add_argument("--inject-rank", type=int, default=1)
 parser.add_argument("--inject-step", type=int, default=3)
 parser.add_argument("--steps", type=int, default=7)
@@ -56,7 +60,7 @@ def build(seed_offset: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
 
     if info.rank == args.inject_rank:  # before DDP's all-reduce: only this rank's gradient is inf
         first.register_hook(lambda g: torch.full_like(g, math.inf) if state["step"] == args.inject_step else g)
-    return DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=1), model
+    return DDP(model, gradient_as_bucket_view=args.wrap == "ddp-buckets", bucket_cap_mb=1), model
 
 
 def inject(model: torch.nn.Module) -> None:
@@ -80,6 +84,10 @@ runs = {}
 for name in ("ours", "torch"):
     net, inner = build()
     opt = torch.optim.AdamW(inner.parameters(), lr=1e-2, fused=args.fused)
+    arena = amp_backends.flat_grads(opt) if name == "ours" and args.arena else None
+    caught = warnings.catch_warnings(record=True)
+    arena_warnings = caught.__enter__()
+    warnings.simplefilter("always", RuntimeWarning)
     if name == "ours":
         scaler = amp_backends.GradScaler(be, init_scale=2.0**12, growth_interval=3)
         assert scaler._device == "cpu" and isinstance(scaler, torch.amp.GradScaler)
@@ -96,6 +104,7 @@ for name in ("ours", "torch"):
         grad_type = type(inner[0].weight.grad).__name__
         scale_before = scaler.get_scale()
         if name == "ours":
+            in_arena = arena is not None and arena.problem() is None
             norm = scaler.clip_grad_norm_(opt, 0.05)
         else:
             scaler.unscale_(opt)
@@ -107,9 +116,13 @@ for name in ("ours", "torch"):
         entry = {"step": step, "norm": float(norm), "scale": scaler.get_scale(), "scale_before": scale_before}
         if name == "ours":
             entry["skipped"] = scaler.last_step_skipped
+            entry["in_arena"] = in_arena
         else:
             entry["global_norm"] = unscaled_norm
         record.append(entry)
+    caught.__exit__(None, None, None)
+    if name == "ours":
+        fallbacks = [str(w.message) for w in arena_warnings if "flat_grads" in str(w.message)]
     flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten() for p in inner.parameters()])
     runs[name] = (record, flat, scaler)
 
@@ -126,6 +139,7 @@ Path(args.out, f"rank{info.rank}.json").write_text(json.dumps({
     "params_equal": bool(torch.equal(ours_params, ref_params)),
     "params_max_diff": float((ours_params - ref_params).abs().max()),
     "identical_across_ranks": all(torch.equal(gathered[0], t) for t in gathered),
+    "fallbacks": fallbacks,
     "stats": {"skipped": ours_scaler.stats.skipped, "overflows": ours_scaler.stats.overflows},
 }))
 distributed.destroy_process_group()

@@ -85,3 +85,40 @@ def test_cuda_demo_trains():
 
     out = run(DemoConfig(backend="cuda", epochs=10, progress=False))
     assert out["test_accuracy"] >= 0.95 and out["scaler"]["enabled"] and out["peak_memory_kind"] == "device allocator peak"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("check", ["identity", "refcount"])
+def test_cuda_arena_is_bitwise_the_per_tensor_path(fused, check):
+    """flat_grads on the GPU (the Triton kernel's vectorized path): same parameters, norms and skips."""
+    def run(arena):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 37), torch.nn.ReLU(), torch.nn.Linear(37, 4099),
+                                    torch.nn.ReLU(), torch.nn.Linear(4099, 8)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        flat = amp_backends.flat_grads(opt, check=check) if arena else None
+        scaler = amp_backends.GradScaler("cuda", growth_interval=3)
+        x = torch.randn(32, 64, device="cuda")
+        norms = []
+        for step in range(8):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 3:
+                model[2].weight.grad[0, 0] = math.inf
+            norms.append(scaler.clip_grad_norm_(opt, 1.0))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if flat is not None:
+                assert flat.problem() is None
+        return [p.detach() for p in model.parameters()], norms, scaler.stats
+
+    params, norms, stats = run(True)
+    ref_params, ref_norms, ref_stats = run(False)
+    assert amp_backends.get("cuda").kernel.name in ("triton", "torch")
+    assert stats.skipped == ref_stats.skipped == 1
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    for a, b in zip(norms, ref_norms):
+        assert torch.equal(a, b) or (a.isnan() and b.isnan())

@@ -117,6 +117,23 @@ def test_ddp_gradient_as_bucket_view_matches_torch_bitwise(tmp_path):
     _check_parity(run_parity(tmp_path, "--wrap", "ddp-buckets"), "Tensor", bitwise=True)
 
 
+def test_ddp_with_flat_grads_matches_torch_bitwise(tmp_path):
+    """DDP as it comes: gradients stay in the arena every step, results bit for bit torch's."""
+    ranks = run_parity(tmp_path, "--wrap", "ddp", "--arena")
+    _check_parity(ranks, "Tensor", bitwise=True)
+    for r in ranks:
+        assert all(e["in_arena"] for e in r["ours"]) and r["fallbacks"] == []
+
+
+def test_ddp_bucket_views_take_gradients_out_of_the_arena_safely(tmp_path):
+    """gradient_as_bucket_view=True replaces every gradient: the per-tensor path, named once, still exact."""
+    ranks = run_parity(tmp_path, "--wrap", "ddp-buckets", "--arena")
+    _check_parity(ranks, "Tensor", bitwise=True)
+    for r in ranks:
+        assert not any(e["in_arena"] for e in r["ours"])
+        assert len(r["fallbacks"]) == 1 and "gradient_as_bucket_view=True" in r["fallbacks"][0]
+
+
 def test_ddp_example_under_torchrun():
     proc = torchrun(HERE.parent / "examples" / "ddp.py", cwd=HERE.parent / "examples")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -17,6 +17,10 @@ class CUDABackend(Backend):
     default_dtype = torch.float16
     dist_backend = "nccl"
     priority = 100
+    #: torch's CUDA unscale op (aten/src/ATen/native/cuda/AmpKernels.cu) dispatches on float,
+    #: double and half only: bf16 gradients go through a float32 copy unless the kernel (Triton)
+    #: handles them itself.
+    unscale_dtypes = (torch.float32, torch.float16, torch.float64)
 
     def is_available(self) -> bool:
         return self.unavailable_reason() is None

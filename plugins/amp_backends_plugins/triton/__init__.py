@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from amp_backends import Kernel, hookimpl
+from amp_backends.arena import FlatGroup
 from amp_backends.kernels import TORCH_KERNEL
 
 #: Device types Triton compiles for.
@@ -33,6 +34,7 @@ class TritonKernel(Kernel):
     name = "triton"
     priority = 10
     one_pass_norm = True
+    handles_dtypes = (torch.float32, torch.float16, torch.bfloat16)
 
     def __init__(self) -> None:
         self._impl: Any = None
@@ -83,6 +85,15 @@ class TritonKernel(Kernel):
 
     def check_norm_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, norm_sq: torch.Tensor) -> None:
         self.impl.run(grads, found_inf, inv_scale=None, write=False, norm_sq=norm_sq)
+
+    def flat_op_(
+        self,
+        group: FlatGroup,
+        found_inf: torch.Tensor,
+        inv_scale: torch.Tensor | None,
+        norm_sq: torch.Tensor | None,
+    ) -> None:
+        self.impl.run_flat(group, found_inf, inv_scale, norm_sq)
 
 
 @hookimpl

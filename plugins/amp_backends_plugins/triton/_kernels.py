@@ -25,15 +25,75 @@ import torch
 import triton
 import triton.language as tl
 
-from amp_backends.kernels import TORCH_KERNEL, add_sum_of_squares
+from amp_backends.arena import FlatGroup
+from amp_backends.kernels import TORCH_KERNEL, add_sum_of_squares, through_float32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: Elements per program: big enough to stream on a GPU, small in the interpreter so tests span blocks.
 BLOCK = 512 if INTERPRET else 4096
 NUM_WARPS = 8
 
+#: Gradient dtypes the kernel handles; others go to torch's ops.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _TABLE_CACHE_SIZE = 16
+
+
+@triton.jit
+def _block_op(
+    ptrs,
+    mask,
+    inv_scale_ptr,
+    found_inf_ptr,
+    partial_ptr,
+    pid,
+    BF16: tl.constexpr,
+    SCALE: tl.constexpr,
+    WRITE: tl.constexpr,
+    NORM: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Unscale/check/measure one block; ``MASKED`` False: every lane is in bounds (no mask, so
+    the compiler may move 16 bytes per access where the start is aligned)."""
+    if BF16:
+        if MASKED:
+            bits = tl.load(ptrs, mask=mask, other=0)
+        else:
+            bits = tl.load(ptrs)
+        x = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        if MASKED:
+            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(ptrs).to(tl.float32)
+    bad = (x != x) | (tl.abs(x) == float("inf"))
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    if n_bad > 0:  # a branch, not a masked scalar store: Triton 3.0's interpreter ignores that mask
+        tl.store(found_inf_ptr, 1.0)
+    if SCALE:
+        y = x * tl.load(inv_scale_ptr)
+    else:
+        y = x
+    if NORM:
+        sq = y * y
+        if MASKED:  # masked lanes hold 0 * inv_scale: NaN when the scale has underflowed to 0
+            sq = tl.where(mask, sq, 0.0)
+        tl.store(partial_ptr + pid, tl.sum(sq, axis=0))
+    if WRITE:
+        if BF16:
+            u = y.to(tl.uint32, bitcast=True)
+            rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            rounded = tl.where(y != y, 0x7FC0, rounded)
+            if MASKED:
+                tl.store(ptrs, rounded.to(tl.int16), mask=mask)
+            else:
+                tl.store(ptrs, rounded.to(tl.int16))
+        else:
+            if MASKED:
+                tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
+            else:
+                tl.store(ptrs, y.to(ptrs.dtype.element_ty))
 
 
 @triton.jit
@@ -45,40 +105,30 @@ def _grad_kernel(
     found_inf_ptr,
     partial_ptr,
     BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    ALIGNED: tl.constexpr,
     BF16: tl.constexpr,
     SCALE: tl.constexpr,
     WRITE: tl.constexpr,
     NORM: tl.constexpr,
 ):
+    """One program per block of the table. ``ALIGNED``: ``base`` is 16-byte aligned, so a full
+    block whose start is a multiple of ``VEC`` elements takes the unmasked, vectorized path."""
     pid = tl.program_id(0)
     start = tl.load(block_offsets + pid)
     length = tl.load(block_lengths + pid)
     idx = tl.arange(0, BLOCK)
-    mask = idx < length
-    ptrs = base + start + idx
-    if BF16:
-        bits = tl.load(ptrs, mask=mask, other=0)
-        x = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    bad = (x != x) | (tl.abs(x) == float("inf"))
-    n_bad = tl.sum(bad.to(tl.int32), axis=0)
-    if n_bad > 0:  # a branch, not a masked scalar store: Triton 3.0's interpreter ignores that mask
-        tl.store(found_inf_ptr, 1.0)
-    if SCALE:
-        y = x * tl.load(inv_scale_ptr)
-    else:
-        y = x
-    if NORM:
-        tl.store(partial_ptr + pid, tl.sum(y * y, axis=0))
-    if WRITE:
-        if BF16:
-            u = y.to(tl.uint32, bitcast=True)
-            rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-            rounded = tl.where(y != y, 0x7FC0, rounded)
-            tl.store(ptrs, rounded.to(tl.int16), mask=mask)
+    if ALIGNED:
+        if (length == BLOCK) & (start % VEC == 0):
+            start = tl.multiple_of(start, VEC)
+            _block_op(base + start + idx, None, inv_scale_ptr, found_inf_ptr, partial_ptr, pid,
+                      BF16, SCALE, WRITE, NORM, False)
         else:
-            tl.store(ptrs, y.to(base.dtype.element_ty), mask=mask)
+            _block_op(base + start + idx, idx < length, inv_scale_ptr, found_inf_ptr, partial_ptr, pid,
+                      BF16, SCALE, WRITE, NORM, True)
+    else:
+        _block_op(base + start + idx, idx < length, inv_scale_ptr, found_inf_ptr, partial_ptr, pid,
+                  BF16, SCALE, WRITE, NORM, True)
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -93,6 +143,22 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _table(offsets: Sequence[int], numels: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of ``BLOCK`` elements: its start (elements from the base) and its length.
+
+    Each tensor is cut from its own start, so a tensor's blocks are the same wherever it lives:
+    the per-tensor path and the arena make the same blocks, partial sums and norms."""
+    offs = torch.tensor(offsets, dtype=torch.int64)
+    sizes = torch.tensor(numels, dtype=torch.int64)
+    blocks = (sizes + BLOCK - 1) // BLOCK
+    owner = torch.repeat_interleave(torch.arange(len(offsets)), blocks)
+    first = torch.cumsum(blocks, 0) - blocks
+    within = torch.arange(int(blocks.sum())) - first[owner]
+    starts = offs[owner] + within * BLOCK
+    lengths = torch.clamp(sizes[owner] - within * BLOCK, max=BLOCK).to(torch.int32)
+    return starts.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
+
+
 def _block_table(
     ptrs: tuple[int, ...], numels: tuple[int, ...], itemsize: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,24 +167,63 @@ def _block_table(
     if hit is not None:
         _TABLES.move_to_end(key)
         return hit
-    offsets = torch.tensor([(p - ptrs[0]) // itemsize for p in ptrs], dtype=torch.int64)
-    sizes = torch.tensor(numels, dtype=torch.int64)
-    blocks = (sizes + BLOCK - 1) // BLOCK
-    owner = torch.repeat_interleave(torch.arange(len(ptrs)), blocks)
-    first = torch.cumsum(blocks, 0) - blocks
-    within = torch.arange(int(blocks.sum())) - first[owner]
-    starts = offsets[owner] + within * BLOCK
-    lengths = torch.clamp(sizes[owner] - within * BLOCK, max=BLOCK).to(torch.int32)
-    table = (starts.to(device, non_blocking=True), lengths.to(device, non_blocking=True))
-    _TABLES[key] = table
+    table = _TABLES[key] = _table([(p - ptrs[0]) // itemsize for p in ptrs], numels, device)
     if len(_TABLES) > _TABLE_CACHE_SIZE:
         _TABLES.popitem(last=False)
     return table
 
 
+def _launch(
+    base: torch.Tensor,
+    table: tuple[torch.Tensor, torch.Tensor],
+    found_inf: torch.Tensor,
+    inv_scale: Optional[torch.Tensor],
+    write: bool,
+    norm_sq: Optional[torch.Tensor],
+) -> None:
+    """One launch over a block table whose offsets count from ``base`` (a dense fp32/fp16/bf16 tensor)."""
+    starts, lengths = table
+    n_blocks = starts.numel()
+    if n_blocks == 0:
+        return
+    bf16 = base.dtype == torch.bfloat16
+    if bf16:
+        base = base.view(torch.int16)  # bf16 moves as int16 bits: same address, same count
+    partial = torch.empty(n_blocks, dtype=torch.float32, device=base.device) if norm_sq is not None else found_inf
+    _grad_kernel[(n_blocks,)](
+        base,
+        starts,
+        lengths,
+        inv_scale if inv_scale is not None else found_inf,
+        found_inf,
+        partial,
+        BLOCK=BLOCK,
+        VEC=16 // base.element_size(),
+        ALIGNED=base.data_ptr() % 16 == 0,
+        BF16=bf16,
+        SCALE=inv_scale is not None,
+        WRITE=write,
+        NORM=norm_sq is not None,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,  # y * y + acc rounded twice on every target, as the interpreter does
+    )
+    if norm_sq is not None:
+        norm_sq.add_(partial.sum())
+
+
 def _split(grads: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], list[int], list[torch.Tensor], list[torch.Tensor]]:
-    """One pass: dense gradients with their addresses and sizes, strided ones, and tensor
-    subclasses (DTensor shards of FSDP2, whose ``data_ptr()`` is 0); empty ones dropped."""
+    """Dense gradients with their addresses and sizes, strided ones, and tensor subclasses
+    (DTensor shards of FSDP2, whose ``data_ptr()`` is 0); empty ones dropped.
+
+    The common case (plain, contiguous, non-empty, aligned tensors) is three C-level passes;
+    anything else takes the tensor-by-tensor sort."""
+    grads = list(grads)
+    if all(type(g) is torch.Tensor for g in grads) and all(map(torch.Tensor.is_contiguous, grads)):
+        ptrs = [g.data_ptr() for g in grads]
+        numels = [g.numel() for g in grads]
+        size = grads[0].element_size() if grads else 1
+        if 0 not in numels and not any(p % size for p in ptrs):
+            return grads, ptrs, numels, [], []
     dense, ptrs, numels, strided, wrapped = [], [], [], [], []
     for g in grads:
         if type(g) is not torch.Tensor:
@@ -148,7 +253,10 @@ def _fallback(
         return
     if write:
         assert inv_scale is not None
-        TORCH_KERNEL.unscale_and_check_(grads, found_inf, inv_scale)
+        if grads[0].dtype == torch.bfloat16:  # CUDA's op has no bf16
+            through_float32(TORCH_KERNEL.unscale_and_check_, grads, found_inf, inv_scale, write=True)
+        else:
+            TORCH_KERNEL.unscale_and_check_(grads, found_inf, inv_scale)
     else:
         for g in grads:  # read-only: never write a gradient we were asked only to check
             found_inf.masked_fill_(~torch.isfinite(g).all(), 1.0)
@@ -166,8 +274,14 @@ def _torch_ops(
     reduces found_inf over the mesh; a read-only check is torch's unscale by 1."""
     if not grads:
         return
+    bf16 = grads[0].dtype == torch.bfloat16  # CUDA's op has no bf16
     if inv_scale is None:
-        TORCH_KERNEL.check_(grads, found_inf)
+        if bf16:
+            through_float32(TORCH_KERNEL.check_, grads, found_inf, write=False)
+        else:
+            TORCH_KERNEL.check_(grads, found_inf)
+    elif bf16:
+        through_float32(TORCH_KERNEL.unscale_and_check_, grads, found_inf, inv_scale, write=True)
     else:
         TORCH_KERNEL.unscale_and_check_(grads, found_inf, inv_scale)
     if norm_sq is not None:
@@ -188,27 +302,22 @@ def run(
     if not dense:
         return
     dtype = dense[0].dtype
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if dtype not in KERNEL_DTYPES:
         _fallback(dense, found_inf, inv_scale, write, norm_sq)
         return
-    bf16 = dtype == torch.bfloat16
-    base = dense[0].view(torch.int16) if bf16 else dense[0]  # bf16 moves as int16 bits: same address, same count
-    starts, lengths = _block_table(tuple(ptrs), tuple(numels), base.element_size(), base.device)
-    n_blocks = starts.numel()
-    partial = torch.empty(n_blocks, dtype=torch.float32, device=base.device) if norm_sq is not None else found_inf
-    _grad_kernel[(n_blocks,)](
-        base,
-        starts,
-        lengths,
-        inv_scale if inv_scale is not None else found_inf,
-        found_inf,
-        partial,
-        BLOCK=BLOCK,
-        BF16=bf16,
-        SCALE=inv_scale is not None,
-        WRITE=write,
-        NORM=norm_sq is not None,
-        num_warps=NUM_WARPS,
-    )
-    if norm_sq is not None:
-        norm_sq.add_(partial.sum())
+    table = _block_table(tuple(ptrs), tuple(numels), dense[0].element_size(), dense[0].device)
+    _launch(dense[0], table, found_inf, inv_scale, write, norm_sq)
+
+
+def run_flat(group: FlatGroup, found_inf: torch.Tensor, inv_scale: Optional[torch.Tensor],
+             norm_sq: Optional[torch.Tensor]) -> None:
+    """One launch over an arena group; its block table is made once and kept on the group.
+    The blocks cover the views only: the gaps between them are never read."""
+    if group.dtype not in KERNEL_DTYPES:
+        _fallback(group.views(), found_inf, inv_scale, inv_scale is not None, norm_sq)
+        return
+    key = ("triton", BLOCK)
+    table = group.cache.get(key)
+    if table is None:
+        table = group.cache[key] = _table(group.offsets, group.numels, group.device)
+    _launch(group.buffer, table, found_inf, inv_scale, inv_scale is not None, norm_sq)

@@ -1,0 +1,339 @@
+"""flat_grads(): the gradient arena, the scaler's ops on it (bitwise the per-tensor path's), misuse."""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+import warnings
+
+import pytest
+import torch
+
+import amp_backends
+from amp_backends.arena import ALIGN_BYTES, flat_grads_of
+from amp_backends.scaler import GradScaler
+
+pytestmark = pytest.mark.filterwarnings("ignore::amp_backends.PerformanceWarning")
+
+
+def _kernels():
+    kernels = [pytest.param(amp_backends.TorchKernel(), id="torch")]
+    try:
+        from amp_backends_plugins.triton import TritonKernel
+
+        if TritonKernel().supports("cpu"):
+            kernels.append(pytest.param(TritonKernel(), id="triton"))
+    except ImportError:  # pragma: no cover - the triton extra is not installed
+        pass
+    return kernels
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    # odd sizes: a 37-element bias is followed by a gradient that would start at byte 148
+    model = torch.nn.Sequential(
+        torch.nn.Linear(13, 37), torch.nn.ReLU(), torch.nn.Linear(37, 29), torch.nn.Tanh(), torch.nn.Linear(29, 3)
+    )
+    return model.to(dtype)
+
+
+def _backend(kernel):
+    be = copy.copy(amp_backends.get("cpu"))
+    be._kernel = kernel
+    return be
+
+
+def _train(kernel, arena: bool, steps=7, fused=False, clip=True, accumulate=2, optimizer="adamw", check="identity"):
+    model = _model()
+    params = list(model.parameters())
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-2, fused=fused)
+    else:
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    flat = amp_backends.flat_grads(opt, check=check) if arena else None
+    scaler = GradScaler(_backend(kernel), init_scale=2.0**10, growth_interval=2)
+    g = torch.Generator().manual_seed(1)
+    norms, attached = [], []
+    for step in range(steps):
+        for _ in range(accumulate):
+            x = torch.randn(8, 13, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+        if step == 3:
+            params[2].grad[1, 2] = math.inf
+        if clip:
+            norms.append(scaler.clip_grad_norm_(opt, 0.5).clone())
+        scaler.step(opt)
+        scaler.update()
+        if flat is not None:
+            attached.append(flat.problem() is None and all(
+                p.grad.data_ptr() == grp.buffer.data_ptr() + off * grp.buffer.element_size()
+                for grp in flat.groups for p, off in zip(grp.params, grp.offsets)))
+        opt.zero_grad(set_to_none=step % 2 == 0)
+    return [p.detach().clone() for p in params], norms, scaler.stats, attached
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("check", ["identity", "refcount"])
+def test_arena_training_is_bitwise_the_per_tensor_path(kernel, clip, check):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback may happen in a clean loop
+        params, norms, stats, attached = _train(kernel, arena=True, clip=clip, check=check)
+    ref_params, ref_norms, ref_stats, _ = _train(kernel, arena=False, clip=clip)
+    assert all(attached), "the gradients stay in the arena across step, update and zero_grad"
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    for a, b in zip(norms, ref_norms):
+        assert torch.equal(a, b) or (a.isnan() and b.isnan())
+    assert stats.skipped == ref_stats.skipped == 1 and stats.scale == ref_stats.scale
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_arena_with_fused_optimizer_and_sgd(kernel):
+    for kwargs in ({"fused": True}, {"optimizer": "sgd"}):
+        params, norms, stats, _ = _train(kernel, arena=True, steps=5, **kwargs)
+        ref_params, ref_norms, ref_stats, _ = _train(kernel, arena=False, steps=5, **kwargs)
+        for a, b in zip(params, ref_params):
+            assert torch.equal(a, b), kwargs
+        for a, b in zip(norms, ref_norms):
+            assert torch.equal(a, b) or (a.isnan() and b.isnan())
+        assert stats.skipped == ref_stats.skipped == 1
+
+
+def test_layout_views_aligned_per_device_and_dtype():
+    model = _model()
+    extra = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+    frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    existing = torch.randn(3, 29)
+    model[4].weight.grad = existing.clone()
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [extra, frozen]}], lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    assert [(g.device, g.dtype) for g in arena.groups] == [(torch.device("cpu"), torch.float32),
+                                                          (torch.device("cpu"), torch.bfloat16)]
+    for group in arena.groups:
+        assert group.buffer.dim() == 1 and group.buffer.data_ptr() % ALIGN_BYTES == 0
+        for p, v in zip(group.params, group.views()):
+            assert p.grad is v and v.shape == p.shape and v.dtype == p.dtype
+            assert v.data_ptr() % ALIGN_BYTES == 0 and v._base is group.buffer
+    assert torch.equal(model[4].weight.grad, existing), "gradients present are copied in"
+    assert torch.count_nonzero(model[0].weight.grad) == 0, "others start at zero"
+    assert frozen.grad is None and len(arena.groups[1].params) == 1
+    assert arena.nbytes >= sum(p.numel() * p.element_size() for p in model.parameters())
+    assert flat_grads_of(opt) is arena and "cpu/float32: 6" in repr(arena)
+
+
+def test_backward_accumulates_in_place_and_zero_grad_keeps_views():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    views = [p.grad for p in model.parameters()]
+    x = torch.randn(4, 13)
+    model(x).sum().backward()
+    once = [v.clone() for v in views]
+    model(x).sum().backward()
+    for p, v, o in zip(model.parameters(), views, once):
+        assert p.grad is v and torch.allclose(v, 2 * o)
+    for set_to_none in (True, False):
+        opt.zero_grad(set_to_none=set_to_none)
+        assert all(p.grad is v for p, v in zip(model.parameters(), views))
+        assert all(torch.count_nonzero(g.buffer) == 0 for g in arena.groups)
+        model(x).sum().backward()
+    arena.release()
+    assert flat_grads_of(opt) is None and "zero_grad" not in vars(opt)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters()), "torch's zero_grad again"
+
+
+def test_scaler_does_not_walk_the_gradients(monkeypatch):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_backends.flat_grads(opt)
+    scaler = GradScaler("cpu", init_scale=4.0)
+    calls = []
+    monkeypatch.setattr(GradScaler, "_walk", staticmethod(lambda *a: calls.append(a) or {}))
+    be = scaler.backend
+    runs = []
+    monkeypatch.setattr(type(be), "_run_flat", lambda self, group, *a: runs.append(group.dtype))
+    scaler.scale(model(torch.randn(2, 13)).sum()).backward()
+    scaler.unscale_(opt)
+    assert calls == [] and runs == [torch.float32], "one op per (device, dtype), no walk"
+
+
+def _step(model, opt, scaler, x, after_backward=None):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    if after_backward is not None:
+        after_backward()
+    norm = scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    return norm
+
+
+def _pair():
+    out = []
+    for arena in (True, False):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if arena:
+            amp_backends.flat_grads(opt)
+        out.append((model, opt, GradScaler("cpu", init_scale=8.0)))
+    return out
+
+
+def _same_params(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_model_zero_grad_falls_back_correctly_and_zero_grad_takes_them_back():
+    (model, opt, scaler), (ref, ref_opt, ref_scaler) = _pair()
+    x = torch.randn(4, 13)
+    _step(model, opt, scaler, x), _step(ref, ref_opt, ref_scaler, x)
+    model.zero_grad(set_to_none=True)  # leaves the arena: gradients become None, then new tensors
+    ref.zero_grad(set_to_none=True)
+    with pytest.warns(RuntimeWarning, match=r"outside the arena \(set to None, e.g. by model.zero_grad\(\).*per-tensor path"):
+        norm = _step(model, opt, scaler, x)
+    ref_norm = _step(ref, ref_opt, ref_scaler, x)
+    assert torch.equal(norm, ref_norm) and _same_params(model, ref)
+    arena = flat_grads_of(opt)
+    assert arena.problem() is not None
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    assert arena.problem() is None
+    assert all(p.grad._base is arena.groups[0].buffer for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert torch.equal(_step(model, opt, scaler, x), _step(ref, ref_opt, ref_scaler, x))
+    assert _same_params(model, ref)
+
+
+def test_gradient_assigned_by_hand_is_the_one_unscaled():
+    (model, opt, scaler), (ref, ref_opt, ref_scaler) = _pair()
+    x = torch.randn(4, 13)
+
+    def replace(m):
+        def go():
+            m[0].bias.grad = m[0].bias.grad * 2  # a new tensor, outside the arena
+        return go
+
+    with pytest.warns(RuntimeWarning, match="outside the arena"):
+        norm = _step(model, opt, scaler, x, replace(model))
+    ref_norm = _step(ref, ref_opt, ref_scaler, x, replace(ref))
+    assert torch.equal(norm, ref_norm) and _same_params(model, ref)
+
+
+def test_param_group_added_later_and_dtype_change():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_backends.flat_grads(opt)
+    scaler = GradScaler("cpu", init_scale=8.0)
+    late = torch.nn.Parameter(torch.ones(4))
+    opt.add_param_group({"params": [late]})
+    x = torch.randn(4, 13)
+
+    def touch_late():
+        late.grad = torch.full((4,), math.inf)  # an inf only in the new parameter: must be seen
+
+    with pytest.warns(RuntimeWarning, match="parameters changed since flat_grads"):
+        _step(model, opt, scaler, x, touch_late)
+    assert scaler.last_step_skipped, "the per-tensor path saw the new parameter's inf"
+    opt.zero_grad()  # torch's zero_grad while the arena no longer fits
+    assert late.grad is None
+    arena = amp_backends.flat_grads(opt)  # rebuilt for the current parameters
+    assert arena.problem() is None and late.grad._base is arena.groups[0].buffer
+
+    model.to(torch.float64)  # a dtype change: the gradients are new float64 tensors
+    assert "float64" in arena.problem() and "flat_grads(optimizer) again" in arena.problem()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters()), "nothing put back into slots that no longer fit"
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        amp_backends.flat_grads(torch.nn.Linear(2, 2))
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse"):
+        amp_backends.flat_grads(torch.optim.SGD(emb.parameters(), lr=0.1))
+
+
+def test_gaps_poisoned_by_a_zero_scale_do_not_fail_later_checks():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    assert any(g.buffer.numel() > sum(g.numels) for g in arena.groups), "the layout has gaps"
+    scaler = GradScaler("cpu", init_scale=8.0)
+    x = torch.randn(4, 13)
+    scaler.scale(model(x).sum()).backward()
+    scaler.unscale_(opt)
+    scaler._scale.fill_(0.0)  # as after a collapse: 1/scale is inf, and 0 * inf is NaN in the gaps
+    opt.zero_grad()
+    for flat in arena.groups:
+        flat.buffer.mul_(math.inf)  # what an unscale by inf leaves in the gaps
+    for p in model.parameters():
+        p.grad.zero_()  # zeroed by hand: the gaps keep their NaN
+    scaler.update(8.0)
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(opt)
+    assert not scaler.last_step_skipped, "NaN in the gaps is not a gradient's NaN"
+
+
+def test_scaler_with_arena_pickles_and_copies():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_backends.flat_grads(opt)
+    scaler = GradScaler("cpu", init_scale=8.0)
+    scaler.scale(model(torch.randn(2, 13)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler._arena is flat_grads_of(opt)
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert clone._arena is None and clone.get_scale() == scaler.get_scale()
+    assert copy.deepcopy(scaler)._arena is None
+
+
+@pytest.mark.parametrize("check", ["identity", "refcount"])
+def test_each_check_finds_what_leaves_the_arena(check):
+    """set to None, replaced by hand, a view's .data swapped, a parameter added: both checks see them."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt, check=check)
+    assert arena.problem() is None
+    w = model[0].weight
+    cases = [
+        lambda: setattr(w, "grad", None),
+        lambda: setattr(w, "grad", torch.zeros_like(w)),
+        lambda: setattr(w.grad, "data", torch.zeros_like(w, dtype=torch.float64)),
+    ]
+    for leave in cases:
+        leave()
+        assert arena.problem() is not None, check
+        opt.zero_grad()
+        assert arena.problem() is None and w.grad._base is arena.groups[0].buffer
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert "parameters changed" in arena.problem()
+
+
+def test_refcount_check_blind_spot_is_the_documented_one_and_identity_sees_it():
+    """A gradient replaced while its old view is still referenced: refcount cannot tell; identity can."""
+    for check, seen in (("refcount", False), ("identity", True)):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        arena = amp_backends.flat_grads(opt, check=check)
+        w = model[0].weight
+        old = w.grad
+        w.grad = old * 2
+        assert (arena.problem() is not None) is seen, check
+        del old
+        assert arena.problem() is not None, "once the old view is gone, both see it"
+
+
+def test_check_must_be_known():
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'identity', 'refcount'"):
+        amp_backends.flat_grads(opt, check="never")
+    assert flat_grads_of(opt) is None and all(p.grad is None for g in opt.param_groups for p in g["params"])
