@@ -85,6 +85,13 @@ class Backend:
 
     _kernel: Kernel | None = None
 
+    @property
+    def _autocast_dtypes(self) -> dict[Any, torch.dtype]:
+        cache = self.__dict__.get("_autocast_dtype_cache")
+        if cache is None:
+            cache = self.__dict__["_autocast_dtype_cache"] = {}
+        return cache
+
     # -- availability -----------------------------------------------------------------
     def is_available(self) -> bool:
         """Whether the device can be used on this machine."""
@@ -170,8 +177,12 @@ class Backend:
 
         Warns once (:class:`PerformanceWarning`) when the dtype is emulated on this device.
         """
-        resolved = self.resolve_dtype(dtype)
-        self.warn_if_emulated(resolved, enabled)
+        resolved = self._autocast_dtypes.get(dtype) if enabled else None
+        if resolved is None:
+            resolved = self.resolve_dtype(dtype)
+            self.warn_if_emulated(resolved, enabled)
+            if enabled:  # validated (and warned about) once: a training step asks again every time
+                self._autocast_dtypes[dtype] = resolved
         return torch.autocast(
             self.device_type,
             dtype=resolved,

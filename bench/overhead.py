@@ -92,8 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="instead: where our fp16 step spends its host time")
     args = parser.parse_args(argv)
     be = amp_backends.get(args.backend)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        step = make_step(be, torch.float16, True)
+        timed(step, args.steps, be)
+        profile = cProfile.Profile()
+        profile.enable()
+        timed(step, args.steps, be)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        return 0
     dtypes = [be.default_dtype] + ([torch.float16] if be.default_dtype != torch.float16 else [])
     rows = [measure(be, d, args.rounds, args.steps) for d in dtypes if d in be.supported_dtypes()]
     if args.json:

@@ -89,15 +89,25 @@ def test_cuda_demo_trains():
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("check", ["identity", "refcount"])
-def test_cuda_arena_is_bitwise_the_per_tensor_path(fused, check):
-    """flat_grads on the GPU (the Triton kernel's vectorized path): same parameters, norms and skips."""
+@pytest.mark.parametrize("triton_at_every_size", [True, False])
+def test_cuda_arena_is_bitwise_the_per_tensor_path(fused, check, triton_at_every_size):
+    """flat_grads on the GPU (the Triton kernel's vectorized path, or torch's op for a model this
+    small when Triton keeps its size threshold): same parameters, norms and skips."""
+    import copy
+
+    be = copy.copy(amp_backends.get("cuda"))
+    if triton_at_every_size and hasattr(be.kernel, "min_elements"):
+        kernel = copy.copy(be.kernel)
+        kernel.min_elements = 0
+        be._kernel = kernel
+
     def run(arena):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 37), torch.nn.ReLU(), torch.nn.Linear(37, 4099),
                                     torch.nn.ReLU(), torch.nn.Linear(4099, 8)).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
         flat = amp_backends.flat_grads(opt, check=check) if arena else None
-        scaler = amp_backends.GradScaler("cuda", growth_interval=3)
+        scaler = amp_backends.GradScaler(be, growth_interval=3)
         x = torch.randn(32, 64, device="cuda")
         norms = []
         for step in range(8):

@@ -33,6 +33,9 @@ def fake_cpu(monkeypatch):
     def use(features: frozenset[str]) -> None:
         monkeypatch.setattr(hardware, "cpu_features", lambda: features)
         monkeypatch.setattr(hardware, "_arch", lambda: "x86")
+        # autocast() validates a dtype once per backend instance: the hardware does not change
+        # under a running process, except here
+        amp_backends.get("cpu").__dict__.pop("_autocast_dtype_cache", None)
 
     monkeypatch.setattr(backend, "_WARNED_EMULATED", set())
     return use

@@ -24,6 +24,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 B = _kernels.BLOCK
 KERNEL = TritonKernel()
+KERNEL.min_elements = 0  # the Triton code itself, at every size (small groups otherwise go to torch's op)
 
 
 def _tensors(dtype, seed=0):
@@ -261,3 +262,30 @@ def test_benchmark_script_runs(tmp_path):
     assert any(c.startswith("unscale+clip") for c in cases) and any(c.startswith("read-only") for c in cases)
     assert all(r["ours_ms"] > 0 for r in data["rows"])
     assert "speedup" in proc.stdout and data["triton"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_groups_go_to_torchs_op_with_the_same_results(dtype, monkeypatch):
+    small = TritonKernel()
+    small.min_elements = 10**9
+    monkeypatch.setattr(_kernels, "_launch", lambda *a, **k: pytest.fail("no Triton launch below min_elements"))
+    tensors = _tensors(dtype, seed=17)
+    tensors[2][5] = math.inf
+    ref, ref_found = _reference(tensors, 0.5)
+    found = torch.zeros((), device=DEVICE)
+    small.unscale_and_check_(tensors, found, torch.tensor(0.5, device=DEVICE))
+    assert found.item() == ref_found.item() == 1.0
+    for a, b in zip(tensors, ref):
+        _same(a, b)
+    checked = _tensors(dtype, seed=18)
+    found = torch.zeros((), device=DEVICE)
+    small.check_(checked, found)
+    assert found.item() == 0.0
+    monkeypatch.undo()
+    launches = []
+    monkeypatch.setattr(_kernels, "_launch", lambda *a, **k: launches.append(a))
+    small.check_norm_(checked, found, torch.zeros((), device=DEVICE))
+    assert len(launches) == 1, "a norm is always one Triton launch: torch's per-tensor norms cost more"
+    monkeypatch.undo()
+    assert amp_backends.kernels.kernel_self_check(small, torch.device(DEVICE)) is None
+    assert small.min_elements == 10**9, "restored after the self-check"

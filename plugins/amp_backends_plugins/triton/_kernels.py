@@ -294,8 +294,16 @@ def run(
     inv_scale: Optional[torch.Tensor],
     write: bool,
     norm_sq: Optional[torch.Tensor],
+    min_elements: int = 0,
 ) -> None:
-    """One launch over every dense gradient of one (device, dtype) group; torch for the rest."""
+    """One launch over every dense gradient of one (device, dtype) group; torch for the rest.
+
+    Below ``min_elements`` elements in all, torch's op runs an unscale or check: there its one
+    C++ call costs the host less than Triton's Python launcher, and the data is too small for
+    bandwidth to matter. Never a norm: torch's per-tensor norms cost the host far more."""
+    if min_elements and norm_sq is None and sum(map(torch.Tensor.numel, grads)) < min_elements:
+        _torch_ops(list(grads), found_inf, inv_scale if write else None, norm_sq)
+        return
     dense, ptrs, numels, other, wrapped = _split(grads)
     _torch_ops(wrapped, found_inf, inv_scale if write else None, norm_sq)
     _fallback(other, found_inf, inv_scale, write, norm_sq)
@@ -310,11 +318,16 @@ def run(
 
 
 def run_flat(group: FlatGroup, found_inf: torch.Tensor, inv_scale: Optional[torch.Tensor],
-             norm_sq: Optional[torch.Tensor]) -> None:
+             norm_sq: Optional[torch.Tensor], min_elements: int = 0) -> None:
     """One launch over an arena group; its block table is made once and kept on the group.
-    The blocks cover the views only: the gaps between them are never read."""
+    The blocks cover the views only: the gaps between them are never read. Below
+    ``min_elements``, an unscale or check is torch's op on the whole buffer (as :func:`run`)."""
     if group.dtype not in KERNEL_DTYPES:
         _fallback(group.views(), found_inf, inv_scale, inv_scale is not None, norm_sq)
+        return
+    if min_elements and norm_sq is None and group.buffer.numel() < min_elements:
+        group.clear_gaps_()
+        _torch_ops([group.buffer], found_inf, inv_scale, None)
         return
     key = ("triton", BLOCK)
     table = group.cache.get(key)
