@@ -11,6 +11,17 @@ import torch
 from .registry import Registry, default_registry, probe, shadowing_message
 
 
+def _installed(backend: Any, reason: str | None) -> bool:
+    """Whether the device's extension is on this machine (an extension built for another torch
+    usually fails to import: the mismatch is the likely cause). Else: whether it is available."""
+    extension = getattr(backend, "extension", None)
+    if extension:
+        import importlib.util
+
+        return importlib.util.find_spec(extension) is not None
+    return reason is None
+
+
 def _dtype(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
@@ -39,7 +50,7 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
             kernel_error = "; ".join(rejected)
         built = backend.built_for_torch
         mismatch = None
-        if built and built.split("+")[0] != torch.__version__.split("+")[0]:
+        if built and built.split("+")[0] != torch.__version__.split("+")[0] and _installed(backend, reason):
             mismatch = (f"its device extension is built for torch {built}, and this is torch {torch.__version__}: "
                         f"install the extension's build for torch {torch.__version__.split('+')[0]}, or torch {built}")
         rows.append(

@@ -1,7 +1,7 @@
 """Run the conformance suite for every backend of the device matrix this machine can run.
 
     python ci/run_matrix.py                 # every entry whose device is here
-    python ci/run_matrix.py --column cpu    # only the CPU column (cpu and the simulated mlu)
+    python ci/run_matrix.py --column cpu    # only the CPU column (cpu and the simulated devices)
     python ci/run_matrix.py --out ci/out    # where matrix.json and matrix.md go
 
 Each entry runs ``pytest --pyargs amp_backends.testing --amp-backend NAME`` in its own
@@ -41,7 +41,8 @@ def entry_env(entry: dict) -> dict[str, str]:
     if entry.get("simulated"):
         from amp_backends.testing import sim_packages_path
 
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(sim_packages_path()), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(sim_packages_path(entry["name"])), env.get("PYTHONPATH")]))
+    env.update({k: str(v) for k, v in entry.get("env", {}).items()})  # e.g. which chip a simulation imitates
     return env
 
 

@@ -14,7 +14,7 @@ from amp_backends.testing import sim_packages_path
 
 from conftest import run_json
 
-SIM = [sim_packages_path()]
+SIM = [sim_packages_path("mlu")]
 needs_sim_device = pytest.mark.skipif(
     not hasattr(torch.utils.backend_registration, "_setup_privateuseone_for_python_backend"),
     reason="the simulated PrivateUse1 device needs torch.utils.backend_registration."
@@ -51,24 +51,81 @@ for step in range(40):
     losses.append(loss.item())
 print(json.dumps({"device": str(next(model.parameters()).device), "dtypes": sorted(dtypes),
                   "first": losses[0], "last": losses[-1], "skipped": skipped, "scale": scaler.get_scale(),
-                  "loss_dtype": str(loss.dtype), "legacy": be.uses_legacy_autocast(), "dist": be.dist_backend,
+                  "loss_dtype": str(loss.dtype), "dist": be.dist_backend,
                   "autocast_type": type(be.autocast()).__module__ + "." + type(be.autocast()).__qualname__}))
 """
 
 
-@pytest.mark.parametrize("mode", ["new", "legacy"])
+@pytest.mark.parametrize("chip", ["MLU370", "MLU590"])
 @needs_sim_device
-def test_same_loop_trains_on_simulated_mlu(mode):
-    out = run_json(SAME_LOOP, SIM, {"AMP_SIM_MLU": mode})
+def test_same_loop_trains_on_simulated_mlu(chip):
+    out = run_json(SAME_LOOP, SIM, {"AMP_SIM_MLU_CHIP": chip})
     assert out["device"] == "mlu:0" and out["dist"] == "cncl"
     assert out["dtypes"] == ["torch.float16"] and out["loss_dtype"] == "torch.float32"
     assert out["last"] < 0.1 * out["first"], "loss falls under fp16 autocast with the scaler"
     assert [10, True] in out["skipped"], "the step with injected inf is skipped, parameters unchanged"
-    assert out["legacy"] is (mode == "legacy")
-    if mode == "legacy":
-        assert out["autocast_type"] == "torch_mlu._LegacyAutocast"
-    else:
-        assert out["autocast_type"] == "torch.amp.autocast_mode.autocast"
+    assert out["autocast_type"] == "torch.amp.autocast_mode.autocast", "torch_mlu's autocast is torch's"
+
+
+@needs_sim_device
+def test_simulated_torch_mlu_keeps_the_real_kernels_limits_and_the_scaler_routes_around_them():
+    """bf16 gradients (MLU590) and tensors over the op's size limit: torch's own scaler fails on the
+    simulated torch_mlu as on the real one; ours gives torch's CPU results."""
+    out = run_json(
+        """
+        import json, torch, amp_backends
+        be = amp_backends.get("mlu")
+        res = {}
+        g = (torch.randn(1000) * 100).bfloat16()
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_([g.to("mlu")], torch.zeros(()).to("mlu"), torch.full((), 0.25).to("mlu"))
+        except RuntimeError as e:
+            res["torch_bf16"] = str(e)
+        big = torch.randn(300)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_([big.to("mlu")], torch.zeros(()).to("mlu"), torch.full((), 0.25).to("mlu"))
+        except RuntimeError as e:
+            res["torch_size"] = str(e)
+        type(be).max_tensor_elements = 256  # the declared limit, as low as the simulated op's here
+        ref = [g.clone(), big.clone()]
+        torch._amp_foreach_non_finite_check_and_unscale_(ref, torch.zeros(()), torch.full((), 0.25))
+        grads = [g.to("mlu"), big.to("mlu")]
+        found = torch.zeros(()).to("mlu")
+        be.unscale_and_check_(grads, found, torch.full((), 0.25).to("mlu"))
+        res["same"] = all(torch.equal(a.cpu(), b) for a, b in zip(grads, ref))
+        res["found"] = found.item()
+        print(json.dumps(res))
+        """,
+        SIM,
+        {"AMP_SIM_MLU_MAX_ELEMENTS": "256"},
+    )
+    assert out["torch_bf16"] == "Currently amp_unscale only support float32 and float16 dtype"
+    assert "exceeds the kernel's limit of 256 elements" in out["torch_size"]
+    assert out["same"] and out["found"] == 0.0
+
+
+@needs_sim_device
+def test_torch_mlu_autocast_policy_bce_banned_norm_in_float32():
+    out = run_json(
+        """
+        import json, torch, torch.nn.functional as F, amp_backends
+        be = amp_backends.get("mlu")
+        x = torch.randn(4, 8).to("mlu")
+        res = {}
+        with be.autocast():
+            h = x @ torch.randn(8, 8).to("mlu")
+            res["norm"] = str(torch.linalg.vector_norm(h).dtype)
+            try:
+                F.binary_cross_entropy(torch.sigmoid(h), torch.rand(4, 8).to("mlu"))
+            except RuntimeError as e:
+                res["bce"] = str(e)
+            res["bce_logits"] = str(F.binary_cross_entropy_with_logits(h, torch.rand(4, 8).to("mlu")).dtype)
+        print(json.dumps(res))
+        """,
+        SIM,
+    )
+    assert out["norm"] == "torch.float32" and out["bce_logits"] == "torch.float32"
+    assert "unsafe to autocast" in out["bce"] and "binary_cross_entropy_with_logits" in out["bce"]
 
 
 @needs_sim_device
@@ -103,6 +160,7 @@ def test_autocast_policy_and_dtypes_on_simulated_mlu():
 
 @needs_sim_device
 def test_bf16_only_where_the_chip_supports_it():
+    """MLU370 (major 3): fp16 only, although torch_mlu's get_amp_supported_dtype lists bf16."""
     out = run_json(
         """
         import json, torch, amp_backends
@@ -112,12 +170,14 @@ def test_bf16_only_where_the_chip_supports_it():
             err = ""
         except amp_backends.UnsupportedDtypeError as e:
             err = str(e)
-        print(json.dumps({"supported": [str(d) for d in be.supported_dtypes()], "err": err}))
+        print(json.dumps({"supported": [str(d) for d in be.supported_dtypes()], "err": err,
+                          "listed": [str(d) for d in torch.mlu.get_amp_supported_dtype()]}))
         """,
         SIM,
-        {"AMP_SIM_MLU_BF16": "0"},
+        {"AMP_SIM_MLU_CHIP": "MLU370"},
     )
     assert out["supported"] == ["torch.float16"] and "supported: float16" in out["err"]
+    assert out["listed"] == ["torch.float16", "torch.bfloat16"]
 
 
 @pytest.mark.parametrize(
@@ -142,6 +202,25 @@ def test_each_unavailable_reason(mode, paths, reason):
         {"AMP_SIM_MLU": mode},
     )
     assert reason in out["err"] and "mlu" not in out["available"] and out["best"] == "cpu"
+
+
+@needs_sim_device
+def test_no_device_hint_names_the_variable_that_decides():
+    code = """
+        import json, amp_backends
+        try:
+            amp_backends.get("mlu"); err = ""
+        except amp_backends.BackendUnavailableError as e:
+            err = str(e)
+        print(json.dumps(err))
+        """
+    both = run_json(code, SIM, {"CN_VISIBLE_DEVICES": "", "MLU_VISIBLE_DEVICES": "0,1"})
+    assert "CN_VISIBLE_DEVICES=''" in both and "MLU_VISIBLE_DEVICES is ignored while it is set" in both
+    assert "cnmon" in both
+    assert "MLU_VISIBLE_DEVICES=''" in run_json(code, SIM, {"MLU_VISIBLE_DEVICES": ""})
+    ok = run_json(code.replace('amp_backends.get("mlu"); err = ""', 'err = str(amp_backends.get("mlu").device(1))'),
+                  SIM, {"MLU_VISIBLE_DEVICES": "0,1"})
+    assert ok == "mlu:1"
 
 
 @needs_sim_device

@@ -1,11 +1,19 @@
-"""Testing support: the simulated PrivateUse1 device, a simulated torch_mlu, and the
-backend conformance suite (a pytest plugin, inert unless ``--amp-backend`` is given)."""
+"""Testing support: the simulated PrivateUse1 device, simulated torch_mlu, torch_npu and
+torch_musa, and the backend conformance suite (a pytest plugin, inert unless
+``--amp-backend`` is given)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def sim_packages_path() -> Path:
-    """A folder to put on ``sys.path`` so that ``import torch_mlu`` finds the simulated one."""
-    return Path(__file__).resolve().parent / "sim_packages"
+#: The simulated extensions, by backend name.
+SIMULATED = {"mlu": "torch_mlu", "npu": "torch_npu", "musa": "torch_musa"}
+
+
+def sim_packages_path(backend: str = "mlu") -> Path:
+    """A folder to put on ``sys.path`` so that ``import torch_<backend>`` finds the simulated one
+    (one simulation per process: PrivateUse1 can be renamed once)."""
+    if backend not in SIMULATED:
+        raise ValueError(f"no simulated extension for {backend!r}: there are {', '.join(SIMULATED)}")
+    return Path(__file__).resolve().parent / "sim_packages" / backend

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["raw_of", "install", "installed_name", "LOWER_PRECISION_OPS", "FP32_OPS", "PROMOTE_OPS"]
+__all__ = ["raw_of", "install", "installed_name", "overflow_status", "clear_overflow_status",
+           "LOWER_PRECISION_OPS", "FP32_OPS", "PROMOTE_OPS"]
 
 #: Ops that run in the autocast dtype (CUDA's lower_precision_fp list, at ATen level).
 LOWER_PRECISION_OPS = (
@@ -48,7 +49,8 @@ FP32_OPS = (
 #: Ops that run in the widest floating dtype among their inputs.
 PROMOTE_OPS = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "index_put", "scatter_add", "tensordot", "cat", "stack")
 
-_STATE: dict[str, Any] = {"name": None, "libs": []}
+_STATE: dict[str, Any] = {"name": None, "libs": [], "saturation": False, "status": False,
+                          "allocated": 0, "peak": 0}
 
 
 # storage address of a wrapper -> (CPU tensor with its data, the storage kept alive)
@@ -61,7 +63,8 @@ def _sweep() -> None:
     """Forget CPU data whose wrapper storage nothing but this registry holds any more."""
     use_count = torch._C._storage_Use_Count
     for key in [k for k in _RAWS if use_count(k) <= 1]:
-        del _RAWS[key]
+        raw = _RAWS.pop(key)[0]
+        _STATE["allocated"] -= raw.numel() * raw.element_size()
 
 
 def _wrap(raw: torch.Tensor) -> torch.Tensor:
@@ -69,6 +72,8 @@ def _wrap(raw: torch.Tensor) -> torch.Tensor:
     out = torch._C._acc.create_empty_tensor(list(raw.shape), raw.dtype)
     storage = out.untyped_storage()
     _RAWS[storage._cdata] = (raw, storage)
+    _STATE["allocated"] += raw.numel() * raw.element_size()
+    _STATE["peak"] = max(_STATE["peak"], _STATE["allocated"])
     _since_sweep += 1
     if _since_sweep >= _SWEEP_EVERY:
         _since_sweep = 0
@@ -118,6 +123,8 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     to_device = _targets_device(kwargs)
     raw_args, raw_kwargs = tree_map(unwrap, (args, kwargs))
     result = op(*raw_args, **raw_kwargs)
+    if _STATE["saturation"] and to_device is not False:
+        torch.utils._pytree.tree_map(_saturate, result)
     wrap_new = to_device if to_device is not None else True
 
     def wrap(x: Any) -> Any:
@@ -132,6 +139,16 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
         return x
 
     return tree_map(wrap, result)
+
+
+def _saturate(x: Any) -> Any:
+    """Saturation mode (Ascend chips without inf/NaN mode): an op's inf/NaN results become the
+    largest finite values (NaN: 0) and set the device-wide overflow status."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all()):
+        _STATE["status"] = True
+        big = torch.finfo(x.dtype).max
+        x.nan_to_num_(nan=0.0, posinf=big, neginf=-big)
+    return x
 
 
 def _kernel_for(qualified: str) -> Any:
@@ -210,6 +227,11 @@ def _autocast_kernel(cast: str, op_name: str) -> Any:
             x.dtype for x in torch.utils._pytree.tree_leaves((args, kwargs))
             if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == device
         ]
+        if cast == "banned":
+            raise RuntimeError(
+                f"torch.nn.functional.{op_name.split('.')[0]} and torch.nn.BCELoss are unsafe to autocast "
+                f"({device}). Use binary_cross_entropy_with_logits or BCEWithLogitsLoss, which are safe."
+            )
         if cast == "lower":
             target = low
         elif cast == "fp32":
@@ -239,8 +261,9 @@ def _autocast_kernel(cast: str, op_name: str) -> Any:
 _OVERLOADS: dict[str, Any] = {}
 
 
-def _register_autocast(lib: torch.library.Library) -> None:
-    for cast, names in (("lower", LOWER_PRECISION_OPS), ("fp32", FP32_OPS), ("promote", PROMOTE_OPS)):
+def _register_autocast(lib: torch.library.Library, fp32_extra: tuple[str, ...], banned: tuple[str, ...]) -> None:
+    fp32 = tuple(n for n in FP32_OPS + fp32_extra if n not in banned)
+    for cast, names in (("lower", LOWER_PRECISION_OPS), ("fp32", fp32), ("promote", PROMOTE_OPS), ("banned", banned)):
         for name in names:
             packet = getattr(torch.ops.aten, name, None)
             if packet is None:
@@ -251,6 +274,33 @@ def _register_autocast(lib: torch.library.Library) -> None:
                 if op._schema.returns and all(r.alias_info is None for r in op._schema.returns):
                     _OVERLOADS[qualified] = op
                     lib.impl(qualified, _autocast_kernel(cast, qualified), "AutocastPrivateUse1")
+
+
+def _unscale_kernel(dtypes: tuple[torch.dtype, ...] | None, max_elements: int | None, message: str) -> Any:
+    """``_amp_foreach_non_finite_check_and_unscale_`` as the extension's kernel takes it: only
+    ``dtypes``, at most ``max_elements`` per tensor; in saturation mode the overflow status is
+    read and reset instead of the tensors being inspected (op-plugin's NPU kernel)."""
+    op = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
+
+    def kernel(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        for g in grads:
+            if dtypes is not None and g.dtype not in dtypes:
+                raise RuntimeError(message)
+            if max_elements is not None and g.numel() > max_elements:
+                raise RuntimeError(f"amp_unscale: a tensor of {g.numel()} elements exceeds the kernel's "
+                                   f"limit of {max_elements} elements")
+        raws = [raw_of(g) for g in grads]
+        if _STATE["saturation"]:
+            for r in raws:
+                r.mul_(raw_of(inv_scale))
+            if _STATE["status"]:
+                raw_of(found_inf).fill_(1.0)
+            _STATE["status"] = False
+            return None
+        op(raws, raw_of(found_inf), raw_of(inv_scale))
+        return None
+
+    return kernel
 
 
 class _DeviceModule(types.ModuleType):
@@ -267,8 +317,27 @@ class _DeviceModule(types.ModuleType):
     def device_count(self) -> int:
         return self._count
 
+    _current = 0
+
     def current_device(self) -> int:
-        return 0
+        return self._current
+
+    def set_device(self, device: Any) -> None:
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if not 0 <= index < self._count:
+            raise RuntimeError(f"invalid device ordinal {index}: {self._count} device(s) visible")
+        self._current = index
+
+    def memory_allocated(self, device: Any = None) -> int:
+        _sweep()
+        return int(_STATE["allocated"])
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return int(_STATE["peak"])
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        _sweep()
+        _STATE["peak"] = _STATE["allocated"]
 
     def is_initialized(self) -> bool:
         return True
@@ -283,14 +352,32 @@ class _DeviceModule(types.ModuleType):
         return None
 
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
-        return [torch.float16, torch.bfloat16] if self._bf16 else [torch.float16]
+        """The extensions list bf16 whatever the chip (torch_mlu's autocast_utils.py)."""
+        return [torch.float16, torch.bfloat16]
 
     def is_bf16_supported(self) -> bool:
         return self._bf16
 
 
-def install(name: str = "sim", bf16: bool = True, device_count: int = 1) -> types.ModuleType:
-    """Register the simulated device as ``name`` (once per process) and return its device module."""
+def install(
+    name: str = "sim",
+    bf16: bool = True,
+    device_count: int = 1,
+    *,
+    fp32_extra: tuple[str, ...] = (),
+    banned: tuple[str, ...] = ("binary_cross_entropy",),
+    unscale_dtypes: tuple[torch.dtype, ...] | None = None,
+    unscale_max_elements: int | None = None,
+    unscale_message: str = "amp_unscale: unsupported gradient dtype",
+    saturation: bool = False,
+    module_class: type | None = None,
+) -> types.ModuleType:
+    """Register the simulated device as ``name`` (once per process) and return its device module.
+
+    ``fp32_extra``/``banned``: the extension's own autocast lists on top of CUDA's (banned ops
+    raise under autocast, as CUDA's ``binary_cross_entropy`` does). ``unscale_*``: the limits of
+    the extension's unscale kernel. ``saturation``: inf/NaN results saturate and set a
+    device-wide overflow status (Ascend without inf/NaN mode)."""
     if _STATE["name"] is not None:
         if _STATE["name"] != name:
             raise RuntimeError(
@@ -300,7 +387,8 @@ def install(name: str = "sim", bf16: bool = True, device_count: int = 1) -> type
         return getattr(torch, name)
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-    module = _DeviceModule(name, bf16, device_count)
+    module = (module_class or _DeviceModule)(name, bf16, device_count)
+    _STATE["saturation"] = saturation
     _setup_privateuseone_for_python_backend(name, backend_module=module)
     _STATE["name"] = name
     fallback = torch.library.Library("_", "IMPL")
@@ -311,7 +399,9 @@ def install(name: str = "sim", bf16: bool = True, device_count: int = 1) -> type
     aten.impl("_copy_from_and_resize", _copy_from_and_resize, "PrivateUse1")
     for name in _intercepted_ops():
         aten.impl(name, _kernel_for(name), "PrivateUse1")
-    _register_autocast(aten)
+    aten.impl("_amp_foreach_non_finite_check_and_unscale_",
+              _unscale_kernel(unscale_dtypes, unscale_max_elements, unscale_message), "PrivateUse1")
+    _register_autocast(aten, fp32_extra, banned)
     _STATE["libs"] = [fallback, aten]
     torch.__future__.set_swap_module_params_on_conversion(True)
     return module
@@ -320,3 +410,12 @@ def install(name: str = "sim", bf16: bool = True, device_count: int = 1) -> type
 def installed_name() -> str | None:
     """The name the simulated device was installed under in this process, if any."""
     return _STATE["name"]
+
+
+def overflow_status() -> bool:
+    """The simulated device-wide overflow status (saturation mode)."""
+    return bool(_STATE["status"])
+
+
+def clear_overflow_status() -> None:
+    _STATE["status"] = False

@@ -48,6 +48,50 @@ def test_scaler_skips_on_overflow_backs_off_and_grows(backend):
     assert scaler.stats.skipped == 1 and scaler.stats.overflows == 1
 
 
+def test_overflow_computed_on_the_device_is_found(backend):
+    """An overflow made by a device op (not written in from the host): found however the device
+    reports it, per tensor (IEEE inf) or through a status register (saturation mode)."""
+    model, x, y = _setup(backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = amp_backends.GradScaler(backend, init_scale=2.0**8)
+    loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    scaler.scale(loss).backward()
+    huge = torch.full((), 3e38, device=backend.device())
+    with torch.no_grad():
+        model[2].weight.grad.mul_(huge).mul_(huge)  # beyond float32's range on the device
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert scaler.get_scale() == 2.0**7
+
+
+def test_arena_matches_the_per_tensor_path(backend):
+    """flat_grads() on this device: the same steps, skips and parameters as without it."""
+    def run(arena):
+        model, x, y = _setup(backend, seed=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        if arena:
+            amp_backends.flat_grads(opt)
+        scaler = amp_backends.GradScaler(backend, init_scale=2.0**8, growth_interval=2)
+        for step in range(5):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight.grad[1, 3] = math.inf
+            scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+        return [p.detach().cpu() for p in model.parameters()], scaler.stats.skipped, scaler.get_scale()
+
+    params, skipped, scale = run(True)
+    ref_params, ref_skipped, ref_scale = run(False)
+    assert skipped == ref_skipped == 1 and scale == ref_scale
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
 def test_scaler_state_dict_round_trip(backend):
     scaler = amp_backends.GradScaler(backend, init_scale=1024.0, growth_interval=7)
     scaler.scale(torch.ones((), device=backend.device()))

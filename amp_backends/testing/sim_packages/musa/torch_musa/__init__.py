@@ -1,0 +1,51 @@
+"""A simulated Moore Threads torch_musa 2.7.1, on the simulated PrivateUse1 device (testing only).
+
+What it keeps of the real torch_musa: PrivateUse1 renamed "musa", ``torch.musa`` the device
+module, collectives on MCCL; bf16 from compute capability 2.2 (``AMP_SIM_MUSA_CAPABILITY``,
+default ``2.2``; ``2.1`` for a chip without); the unscale op is CUDA's (float, double and half,
+no bf16); ``core/amp/grad_scaler.py``'s GradScaler is ``torch.amp.GradScaler(device="musa")``;
+autocast follows torch's (CUDA's) lists. Release 2.7.1, built for torch 2.7.1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from amp_backends.testing import simdevice
+
+_CAPABILITY = tuple(int(x) for x in os.environ.get("AMP_SIM_MUSA_CAPABILITY", "2.2").split("."))
+
+
+class _MUSAModule(simdevice._DeviceModule):
+    def get_device_capability(self, device: object = None) -> tuple[int, int]:
+        return _CAPABILITY  # type: ignore[return-value]
+
+    def is_bf16_supported(self) -> bool:
+        return _CAPABILITY >= (2, 2)
+
+
+musa = simdevice.install(
+    "musa",
+    bf16=_CAPABILITY >= (2, 2),
+    device_count=1,
+    unscale_dtypes=(torch.float32, torch.float16, torch.float64),
+    unscale_message='"_amp_foreach_non_finite_check_and_unscale_musa" not implemented for \'BFloat16\'',
+    module_class=_MUSAModule,
+)
+
+
+class _GradScaler(torch.amp.GradScaler):
+    """``torch_musa.core.amp.GradScaler``: torch's scaler on "musa"."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__("musa", *args, **kwargs)
+
+
+class _Amp:
+    GradScaler = _GradScaler
+
+
+musa.amp = _Amp()  # type: ignore[attr-defined]
+__version__ = "2.7.1"

@@ -1,0 +1,45 @@
+"""Moore Threads MUSA backend, through Moore Threads' ``torch_musa`` extension.
+
+torch_musa renames PrivateUse1 to "musa", registers ``torch.musa`` and MCCL, and its GradScaler
+is a thin subclass of ``torch.amp.GradScaler(device="musa")`` (``torch_musa/core/amp/
+grad_scaler.py``). Its unscale op reuses CUDA's implementation, which has no bf16 (bf16
+gradients go through a float32 copy); bf16 autocast from compute capability 2.2. torch_musa
+2.7.1 pins torch 2.7.1. Imported only when this backend is asked for. Not run on MUSA hardware:
+see docs/backends/musa.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from amp_backends import hookimpl
+from amp_backends.extension import ExtensionBackend
+
+
+class MUSABackend(ExtensionBackend):
+    """Mixed precision on Moore Threads GPUs (fp16 by default, bf16 from capability 2.2, MCCL)."""
+
+    name = "musa"
+    device_type = "musa"
+    default_dtype = torch.float16
+    dist_backend = "mccl"
+    priority = 100
+    extension = "torch_musa"
+    install_hint = "install Moore Threads' torch_musa wheel for this torch (torch_musa 2.7.1 needs torch 2.7.1)"
+    visible_devices = ("MUSA_VISIBLE_DEVICES",)
+    device_tool = "mthreads-gmi"
+    unscale_dtypes = (torch.float32, torch.float16, torch.float64)
+    built_for_torch = "2.7.1"
+
+    def _bf16(self, module: Any) -> bool:
+        capability = getattr(module, "get_device_capability", None)
+        if not callable(capability):
+            return super()._bf16(module)
+        return tuple(capability()) >= (2, 2)
+
+
+@hookimpl
+def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+    register(MUSABackend())

@@ -1,0 +1,77 @@
+"""Huawei Ascend NPU backend, through Huawei's ``torch_npu`` extension (Ascend/pytorch).
+
+torch_npu renames PrivateUse1 to "npu" and registers ``torch.npu``. What this backend declares,
+from torch_npu's source (``torch_npu/npu/amp/grad_scaler.py``, ``torch_npu/npu/utils.py``,
+op-plugin's ``AmpForeachNonFiniteCheckAndUnscaleKernelNpuOpApi.cpp``):
+
+- chips without inf/NaN mode (``is_support_inf_nan()`` False) run in saturation mode: an overflow
+  saturates the values and sets a device-wide status, which ``scale()`` clears before backward
+  (``clear_npu_overflow_flag``) and the unscale reads (``get_npu_overflow_flag``) instead of
+  inspecting the gradients;
+- 1/scale is computed in float32 (the device has no float64);
+- the collective backend is HCCL.
+
+torch_npu is imported only when this backend is asked for. Not run on Ascend hardware: see
+docs/backends/npu.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from amp_backends import hookimpl
+from amp_backends.extension import ExtensionBackend
+
+
+class NPUBackend(ExtensionBackend):
+    """Mixed precision on Ascend NPUs (fp16 by default, bf16 where the chip has it, HCCL)."""
+
+    name = "npu"
+    device_type = "npu"
+    default_dtype = torch.float16
+    dist_backend = "hccl"
+    priority = 100
+    extension = "torch_npu"
+    install_hint = "pip install torch_npu (the release made for this torch), with the CANN toolkit"
+    visible_devices = ("ASCEND_RT_VISIBLE_DEVICES",)
+    device_tool = "npu-smi info"
+    has_fp64 = False
+
+    @property  # type: ignore[override]
+    def global_overflow_status(self) -> bool:
+        """True on chips in saturation mode (no inf/NaN mode): overflow is a device-wide status."""
+        if self._load() is None:
+            return False
+        return not bool(self._utils().is_support_inf_nan())
+
+    @property  # type: ignore[override]
+    def built_for_torch(self) -> str | None:
+        """torch_npu's release number is the torch release it is built for (``2.1.0.post3``)."""
+        version = getattr(self._extension_module, "__version__", None)
+        return ".".join(str(version).split(".")[:3]) if version else None
+
+    def _utils(self) -> Any:
+        import importlib
+
+        return importlib.import_module(f"{self.extension}.npu.utils")
+
+    def clear_overflow_status(self) -> None:
+        self._npu().clear_npu_overflow_flag()
+
+    def read_overflow_status_(self, found_inf: torch.Tensor) -> None:
+        npu = self._npu()
+        if npu.get_npu_overflow_flag():  # a host read, as torch_npu's own scaler does in this mode
+            found_inf.fill_(1.0)
+        npu.clear_npu_overflow_flag()
+
+    def _npu(self) -> Any:
+        import importlib
+
+        return importlib.import_module(f"{self.extension}.npu")
+
+
+@hookimpl
+def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+    register(NPUBackend())
