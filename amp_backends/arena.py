@@ -86,8 +86,7 @@ class FlatGrads:
     """The arena of one optimizer (see the module docstring). Made by :func:`flat_grads`."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, check: str = "identity") -> None:
-        if check not in CHECKS:
-            raise ValueError(f"flat_grads(check={check!r}): choose one of {', '.join(map(repr, CHECKS))}")
+        _require_known(check)
         self.optimizer = optimizer
         self.check = check
         self._structure = _structure(optimizer)
@@ -218,11 +217,10 @@ def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = "identity") -> 
     (constant work; one blind spot, see the module docstring)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"flat_grads() takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _require_known(check)  # before the current arena is released: bad input changes nothing
     previous = flat_grads_of(optimizer)
     if previous is not None:
         previous.release()
-    if check not in CHECKS:
-        raise ValueError(f"flat_grads(check={check!r}): choose one of {', '.join(map(repr, CHECKS))}")
     arena = FlatGrads(optimizer, check)
     setattr(optimizer, _ATTR, arena)
     optimizer.zero_grad = arena.zero_grad  # type: ignore[method-assign]
@@ -232,6 +230,11 @@ def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = "identity") -> 
 def flat_grads_of(optimizer: Any) -> FlatGrads | None:
     """The arena :func:`flat_grads` put on ``optimizer``, or None."""
     return getattr(optimizer, _ATTR, None)
+
+
+def _require_known(check: str) -> None:
+    if check not in CHECKS:
+        raise ValueError(f"flat_grads(check={check!r}): choose one of {', '.join(map(repr, CHECKS))}")
 
 
 def _structure(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int], ...]:
@@ -257,6 +260,8 @@ def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
             )
         if not p.dtype.is_floating_point:
             raise TypeError(f"flat_grads(): a parameter of dtype {p.dtype} cannot have a gradient")
+        if p.grad is not None and p.grad.is_sparse:  # refused before any gradient has moved
+            raise TypeError("flat_grads(): sparse gradients cannot live in a flat buffer")
         seen.add(id(p))
         keyed.setdefault((p.device, p.dtype), []).append(p)
     for (device, dtype), members in keyed.items():
@@ -272,8 +277,6 @@ def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
         with torch.no_grad():
             for p, view in zip(members, views):
                 if p.grad is not None:
-                    if p.grad.is_sparse:
-                        raise TypeError("flat_grads(): sparse gradients cannot live in a flat buffer")
                     view.copy_(p.grad)
         for p, view in zip(members, views):
             p.grad = view

@@ -105,12 +105,3 @@ class ExtensionBackend(Backend):
     def _bf16(self, module: Any) -> bool:
         query = getattr(module, "is_bf16_supported", None)
         return bool(query()) if callable(query) else False
-
-    def autocast(
-        self,
-        dtype: torch.dtype | str | None = None,
-        enabled: bool = True,
-        cache_enabled: bool | None = None,
-    ) -> torch.autocast:
-        self._load()  # the extension registers the device name autocast needs
-        return super().autocast(dtype, enabled, cache_enabled)

@@ -412,12 +412,8 @@ class GradScaler(torch.amp.GradScaler):
         max_norm = float(max_norm)
         norm_type = float(norm_type)
         arena = flat_grads_of(optimizer)
-        params: list[torch.Tensor] = []
-        if arena is None:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            for p in params:
-                if p.grad.is_sparse:
-                    p.grad = p.grad.coalesce()
+        # without an arena, the walk (and sparse coalescing) comes first, as torch's recipe has it
+        params = _params_with_grads(optimizer) if arena is None else None
         stage = self._per_optimizer_states[id(optimizer)]["stage"] if self._enabled else OptState.UNSCALED
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         one_pass = norm_type == 2.0 and (fused or self.backend.kernel.one_pass_norm)
@@ -426,12 +422,11 @@ class GradScaler(torch.amp.GradScaler):
                 self.unscale_(optimizer)  # sets self._arena: the buffers hold the gradients, or not
             elif arena is not None:
                 self._arena = arena if arena.attached() else None
-            if self._arena is not None and self._arena is arena:
+            if arena is not None and self._arena is arena:
                 total = _clip_flat(arena, max_norm, norm_type)
             else:
-                if arena is not None:  # not in the arena now: the per-tensor walk after all
-                    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-                total = torch.nn.utils.clip_grad_norm_(_dense_grad_holders(params), max_norm, norm_type=norm_type)
+                holders = _dense_grad_holders(_params_with_grads(optimizer) if params is None else params)
+                total = torch.nn.utils.clip_grad_norm_(holders, max_norm, norm_type=norm_type)
             return self._inf_when_scale_underflowed(total)
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
@@ -452,8 +447,8 @@ class GradScaler(torch.amp.GradScaler):
             for flat in self._arena.groups:
                 torch._foreach_mul_([flat.buffer], coef.to(flat.device))
         else:
-            if arena is not None:
-                params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if params is None:  # an arena whose gradients were not in place
+                params = _params_with_grads(optimizer)
             for (device, _), grads in group_by_device_and_dtype(p.grad for p in params).items():
                 c = coef.to(device)
                 torch._foreach_mul_([g for g in grads if not g.is_sparse], c)
@@ -626,6 +621,16 @@ class GradScaler(torch.amp.GradScaler):
 
     def __repr__(self) -> str:
         return f"<GradScaler backend={self.backend.name!r} enabled={self._enabled}>"
+
+
+def _params_with_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters that have a gradient, sparse gradients coalesced (a clip
+    counts each index once)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    for p in params:
+        if p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
+    return params
 
 
 def _clip_flat(arena: FlatGrads, max_norm: float, norm_type: float) -> torch.Tensor:

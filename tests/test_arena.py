@@ -257,8 +257,12 @@ def test_bad_input_is_refused():
         amp_backends.flat_grads(torch.nn.Linear(2, 2))
     emb = torch.nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()
+    dense = torch.nn.Parameter(torch.ones(3))
+    dense.grad = torch.full((3,), 2.0)
+    before = dense.grad
     with pytest.raises(TypeError, match="sparse"):
-        amp_backends.flat_grads(torch.optim.SGD(emb.parameters(), lr=0.1))
+        amp_backends.flat_grads(torch.optim.SGD([dense, *emb.parameters()], lr=0.1))
+    assert dense.grad is before, "refused before any gradient moved"
 
 
 def test_gaps_poisoned_by_a_zero_scale_do_not_fail_later_checks():
@@ -337,3 +341,7 @@ def test_check_must_be_known():
     with pytest.raises(ValueError, match="'identity', 'refcount'"):
         amp_backends.flat_grads(opt, check="never")
     assert flat_grads_of(opt) is None and all(p.grad is None for g in opt.param_groups for p in g["params"])
+    arena = amp_backends.flat_grads(opt)
+    with pytest.raises(ValueError, match="'identity', 'refcount'"):
+        amp_backends.flat_grads(opt, check="never")
+    assert flat_grads_of(opt) is arena and opt.zero_grad == arena.zero_grad, "the arena in place stays"

@@ -1,5 +1,5 @@
 """The npu and musa backends on the simulated PrivateUse1 device with simulated torch_npu and
-torch_musa (amp_backends.testing). No machine here has an Ascend NPU or a Moore Threads GPU:
+torch_musa (amp_backends.testing), and what every simulated extension shares (lazy import). No machine here has an Ascend NPU or a Moore Threads GPU:
 these run the real plugin code against simulations that keep each extension's API, kernel
 limits and overflow reporting. Each test runs in its own process: PrivateUse1 is renamed once."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from amp_backends.testing import sim_packages_path
+from amp_backends.testing import SIMULATED, sim_packages_path
 
 from conftest import run_json
 from test_mlu import needs_sim_device
@@ -122,15 +122,16 @@ def test_not_installed_says_so_and_nothing_is_imported(name, module):
 
 
 @needs_sim_device
-def test_extension_imported_only_when_asked_for():
+@pytest.mark.parametrize(("name", "module"), sorted(SIMULATED.items()))
+def test_extension_imported_only_when_asked_for(name, module):
     out = run_json(
-        """
+        f"""
         import json, sys, amp_backends
         amp_backends.get("cpu"); amp_backends.names()
-        before = "torch_npu" in sys.modules
-        amp_backends.get("npu")
-        print(json.dumps([before, "torch_npu" in sys.modules]))
+        before = {module!r} in sys.modules
+        amp_backends.get({name!r})
+        print(json.dumps([before, {module!r} in sys.modules]))
         """,
-        NPU,
+        [sim_packages_path(name)],
     )
     assert out == [False, True]

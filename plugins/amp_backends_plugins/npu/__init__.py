@@ -17,6 +17,7 @@ docs/backends/npu.md.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -39,12 +40,17 @@ class NPUBackend(ExtensionBackend):
     device_tool = "npu-smi info"
     has_fp64 = False
 
+    _saturation: bool | None = None
+
     @property  # type: ignore[override]
     def global_overflow_status(self) -> bool:
-        """True on chips in saturation mode (no inf/NaN mode): overflow is a device-wide status."""
-        if self._load() is None:
-            return False
-        return not bool(self._utils().is_support_inf_nan())
+        """True on chips in saturation mode (no inf/NaN mode): overflow is a device-wide status.
+        Asked once (the chip's mode does not change in a process): every step reads it."""
+        if self._saturation is None:
+            if self._load() is None:
+                return False
+            self._saturation = not bool(self._submodule("npu.utils").is_support_inf_nan())
+        return self._saturation
 
     @property  # type: ignore[override]
     def built_for_torch(self) -> str | None:
@@ -52,24 +58,17 @@ class NPUBackend(ExtensionBackend):
         version = getattr(self._extension_module, "__version__", None)
         return ".".join(str(version).split(".")[:3]) if version else None
 
-    def _utils(self) -> Any:
-        import importlib
-
-        return importlib.import_module(f"{self.extension}.npu.utils")
+    def _submodule(self, name: str) -> Any:
+        return importlib.import_module(f"{self.extension}.{name}")
 
     def clear_overflow_status(self) -> None:
-        self._npu().clear_npu_overflow_flag()
+        self._submodule("npu").clear_npu_overflow_flag()
 
     def read_overflow_status_(self, found_inf: torch.Tensor) -> None:
-        npu = self._npu()
+        npu = self._submodule("npu")
         if npu.get_npu_overflow_flag():  # a host read, as torch_npu's own scaler does in this mode
             found_inf.fill_(1.0)
         npu.clear_npu_overflow_flag()
-
-    def _npu(self) -> Any:
-        import importlib
-
-        return importlib.import_module(f"{self.extension}.npu")
 
 
 @hookimpl

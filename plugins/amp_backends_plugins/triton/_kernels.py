@@ -249,17 +249,13 @@ def _fallback(
     write: bool,
     norm_sq: Optional[torch.Tensor],
 ) -> None:
-    if not grads:
-        return
     if write:
         assert inv_scale is not None
-        if grads[0].dtype == torch.bfloat16:  # CUDA's op has no bf16
-            through_float32(TORCH_KERNEL.unscale_and_check_, grads, found_inf, inv_scale, write=True)
-        else:
-            TORCH_KERNEL.unscale_and_check_(grads, found_inf, inv_scale)
-    else:
-        for g in grads:  # read-only: never write a gradient we were asked only to check
-            found_inf.masked_fill_(~torch.isfinite(g).all(), 1.0)
+        return _torch_ops(grads, found_inf, inv_scale, norm_sq)
+    if not grads:
+        return
+    for g in grads:  # read-only: never write a gradient we were asked only to check
+        found_inf.masked_fill_(~torch.isfinite(g).all(), 1.0)
     if norm_sq is not None:
         add_sum_of_squares(grads, norm_sq)
 
@@ -274,16 +270,14 @@ def _torch_ops(
     reduces found_inf over the mesh; a read-only check is torch's unscale by 1."""
     if not grads:
         return
-    bf16 = grads[0].dtype == torch.bfloat16  # CUDA's op has no bf16
     if inv_scale is None:
-        if bf16:
-            through_float32(TORCH_KERNEL.check_, grads, found_inf, write=False)
-        else:
-            TORCH_KERNEL.check_(grads, found_inf)
-    elif bf16:
-        through_float32(TORCH_KERNEL.unscale_and_check_, grads, found_inf, inv_scale, write=True)
+        op, args = TORCH_KERNEL.check_, (found_inf,)
     else:
-        TORCH_KERNEL.unscale_and_check_(grads, found_inf, inv_scale)
+        op, args = TORCH_KERNEL.unscale_and_check_, (found_inf, inv_scale)
+    if grads[0].dtype == torch.bfloat16:  # CUDA's op has no bf16
+        through_float32(op, grads, *args, write=inv_scale is not None)
+    else:
+        op(grads, *args)
     if norm_sq is not None:
         add_sum_of_squares(grads, norm_sq)
 
