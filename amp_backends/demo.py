@@ -305,7 +305,7 @@ def format_summary(result: dict[str, Any]) -> str:
     s = result["scaler"]
     native = ", ".join(result["native_dtypes"]) or "none"
     emulated = ", ".join(result["emulated_dtypes"])
-    speed = result["amp_speedup"]
+    speed = float(f"{result['amp_speedup']:.2f}")  # judged as shown: "0.90x" is never "about the same"
     # within 10% is run-to-run noise on a small model: no verdict, no advice
     verdict = "faster" if speed >= 1.1 else "slower" if speed <= 0.9 else "about the same"
     lines = [

@@ -276,3 +276,21 @@ def test_tables_render_aligned_or_as_markdown():
     assert lines[0].split() == ["name", "n"] and lines[-1].split() == ["bbb", "22"] and "\x1b" not in text
     md = render_table(["name", "n"], [["a", "1"]], markdown=True)
     assert md.splitlines()[0].startswith("| name") and md.splitlines()[1].startswith("|--")
+
+
+@pytest.mark.parametrize(("speed", "shown", "verdict", "advice"), [
+    (0.9049, "0.90x", "slower", True),  # shown as 0.90: judged as shown, never "about the same"
+    (0.9051, "0.91x", "about the same", False),
+    (1.0951, "1.10x", "faster", False),
+    (1.0949, "1.09x", "about the same", False),
+])
+def test_demo_verdict_agrees_with_the_number_it_shows(speed, shown, verdict, advice):
+    from amp_backends.demo import format_summary
+
+    result = {"scaler": {"enabled": False, "scale": 1.0, "steps": 1, "skipped": 0, "overflows": 0},
+              "native_dtypes": ["bfloat16"], "emulated_dtypes": [], "backend": "cpu", "device": "cpu", "amp": True,
+              "dtype": "bfloat16", "test_accuracy": 0.9, "samples_per_second": 1.0, "peak_memory_bytes": 0,
+              "peak_memory_kind": "saved tensors", "train_loss": [0.1], "amp_speedup": speed}
+    out = format_summary(result)
+    assert f"AMP vs fp32 here   {shown} ({verdict}," in out
+    assert ("--no-amp trains faster here" in out) is advice
