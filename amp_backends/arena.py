@@ -9,6 +9,18 @@ place. The scaler finds the arena on the optimizer and runs unscale, check, norm
 the buffers: a constant amount of Python per (device, dtype), with the results of the
 per-tensor path, bit for bit.
 
+Gradients keep torch's meaning: a parameter whose gradient no backward produced since
+``optimizer.zero_grad()`` (``set_to_none=True``, torch's default) has ``.grad`` None when
+``optimizer.step()`` runs (a step pre-hook sets it; the next ``zero_grad`` puts the view back),
+so momentum, weight decay and Adam leave it alone exactly as without the arena; with
+``set_to_none=False`` it keeps a zero gradient, as torch's would. A backward hook per parameter
+notes which gradients arrived; an optimizer with none at all raises in ``scaler.step`` as torch's
+scaler does ("No inf checks were recorded").
+
+Memory: the buffers hold every gradient from ``flat_grads()`` on, where torch frees gradients at
+``zero_grad(set_to_none=True)`` and makes each one during backward. Peak memory therefore grows by
+up to the gradients' size (measured in docs/arena.md), which is the price of the constant host cost.
+
 What leaves a gradient outside its buffer (``model.zero_grad()`` setting it to None, a
 gradient assigned by hand, ``model.half()``, DDP with ``gradient_as_bucket_view=True``) or
 changes the parameters (``add_param_group``) is found before any op runs: that step takes the
@@ -91,10 +103,52 @@ class FlatGrads:
         self.check = check
         self._structure = _structure(optimizer)
         self._params = tuple(p for g in optimizer.param_groups for p in g["params"])
+        had_grad = {id(p) for p in self._params if p.grad is not None}
         self.groups: tuple[FlatGroup, ...] = tuple(_build_groups(self._params))
         self._warned: set[str] = set()
         self._torch_zero_grad = optimizer.zero_grad
+        # Which slots received a gradient since the last zero_grad (a backward hook marks them):
+        # with set_to_none (torch's default) the optimizer sees None for the others, as without
+        # the arena; those are held back here until the next zero_grad puts them in place again.
+        self._slots: tuple[torch.Tensor, ...] = tuple(p for g in self.groups for p in g.params)
+        self._got = bytearray(1 if id(p) in had_grad else 0 for p in self._slots)
+        self._missing = self._got.count(0)
+        self._set_to_none = True
+        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._handles = [p.register_post_accumulate_grad_hook(self._marker(i)) for i, p in enumerate(self._slots)]
+        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         self._index()
+
+    def _marker(self, i: int) -> Any:
+        got = self._got
+
+        def mark(_: torch.Tensor) -> None:
+            if not got[i]:
+                got[i] = 1
+                self._missing -= 1
+        return mark
+
+    def _before_step(self, *_: Any) -> None:
+        """optimizer.step's pre-hook: parameters whose gradient no backward produced since
+        ``zero_grad(set_to_none=True)`` have ``.grad`` None for the step, as torch's would
+        (momentum, weight decay and Adam leave them alone)."""
+        if not self._missing or not self._set_to_none or self._held or self.problem() is not None:
+            return
+        for p, got in zip(self._slots, self._got):
+            if not got:
+                self._held.append((p, p.grad))
+                p.grad = None
+
+    def has_gradients(self) -> bool:
+        """Whether any slot received a gradient since the last zero_grad (torch's per-tensor
+        path would find some gradient), or zero_grad kept zero gradients (``set_to_none=False``)."""
+        return self._missing < len(self._slots) or not self._set_to_none
+
+    def _restore_held(self) -> None:
+        for p, view in self._held:
+            if p.grad is None:
+                p.grad = view
+        self._held = []
 
     def _index(self) -> None:
         # "identity": what ``p.grad`` must be, parameter by parameter (None: takes no gradient).
@@ -174,12 +228,16 @@ class FlatGrads:
         Gradients that left their slots are put back (fresh views) while the parameters still
         fit them; when the parameters changed, this is torch's ``zero_grad`` and the arena
         stays out until :func:`flat_grads` is called again."""
+        self._restore_held()
         healthy = self.problem() is None
         if not healthy and not self.fits():
             return self._torch_zero_grad(set_to_none=set_to_none)
         with torch.no_grad():
             for group in self.groups:
                 group.buffer.zero_()
+        self._set_to_none = bool(set_to_none)
+        self._got[:] = bytes(len(self._got))
+        self._missing = len(self._got)
         if not healthy:
             for group in self.groups:
                 for p, view in zip(group.params, _views(group.buffer, group.offsets, group.shapes)):
@@ -187,7 +245,12 @@ class FlatGrads:
             self._index()
 
     def release(self) -> None:
-        """Give the optimizer back its own ``zero_grad``; the gradients stay where they are."""
+        """Give the optimizer back its own ``zero_grad`` and remove the arena's hooks; the
+        gradients stay where they are."""
+        self._restore_held()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         if getattr(self.optimizer, _ATTR, None) is self:
             delattr(self.optimizer, _ATTR)
         if self.optimizer.__dict__.get("zero_grad") == self.zero_grad:
@@ -208,8 +271,9 @@ class FlatGrads:
 
 def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = "identity") -> FlatGrads:
     """Move ``optimizer``'s gradients into one aligned flat buffer per (device, dtype) and keep
-    them there (see :mod:`amp_backends.arena`). Current gradients are copied in; parameters
-    without one get a zero gradient. Calling it again rebuilds the arena for the current
+    them there (see :mod:`amp_backends.arena`). Current gradients are copied in; a parameter
+    without one has a zero view in its slot, which the optimizer does not see (``.grad`` is None
+    at ``step()``) until a backward writes it. Calling it again rebuilds the arena for the current
     parameters (after ``add_param_group``, ``model.half()``).
 
     ``check``: how the scaler confirms, before each op, that the gradients are still in the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -75,9 +76,10 @@ class Backend:
     #: False where the device has no float64: the scaler computes 1/scale in float32.
     has_fp64: bool = True
     #: True where overflow comes from a device-wide status register (torch_npu on chips without
-    #: inf/NaN mode): :meth:`on_scale` clears it before backward, and the unscale reads it
-    #: instead of inspecting the tensors. Implement :meth:`clear_overflow_status` and
-    #: :meth:`read_overflow_status_`.
+    #: inf/NaN mode): :meth:`on_scale` clears it once per iteration, before the first backward;
+    #: the unscale reads it instead of inspecting the tensors, and the scaler keeps what it read
+    #: for every optimizer of the iteration and agrees on it across ranks. Implement
+    #: :meth:`clear_overflow_status` and :meth:`read_overflow_status_`.
     global_overflow_status: bool = False
     #: The torch release the device extension was built for, e.g. ``"2.4.0"``; ``info`` warns on
     #: a mismatch with the running torch.
@@ -213,8 +215,11 @@ class Backend:
         return self._kernel
 
     def on_scale(self, scaler: GradScaler) -> None:
-        """Run by ``GradScaler.scale()`` before backward; clears the overflow status where the
-        device keeps one (:attr:`global_overflow_status`)."""
+        """Run by the first ``GradScaler.scale()`` of an iteration (after construction or
+        ``update()``), before any backward of it; clears the overflow status where the device
+        keeps one (:attr:`global_overflow_status`). Later ``scale()`` calls of the same iteration
+        (gradient accumulation, several losses) do not run it: an overflow in an early
+        micro-batch must survive until the step reads it."""
         if self.global_overflow_status:
             self.clear_overflow_status()
 
@@ -270,12 +275,17 @@ class Backend:
 
     def _status_op(self, to_scale: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
                    inv_scale: torch.Tensor | None, norm_sq: torch.Tensor | None) -> None:
-        """The ops of a device with a global overflow status: scale, read the status, measure."""
-        if inv_scale is not None:
-            torch._foreach_mul_(list(to_scale), inv_scale)
+        """The ops of a device with a global overflow status, as its unscale op runs them: read
+        (and reset) the status first; on overflow set found_inf and leave the gradients scaled
+        (op-plugin's NPU kernel returns before unscaling), else unscale. The norm of a group that
+        overflowed is inf: its saturated values are no gradient."""
         self.read_overflow_status_(found_inf)
+        overflow = found_inf > 0
+        if inv_scale is not None:
+            torch._foreach_mul_(list(to_scale), torch.where(overflow, torch.ones_like(inv_scale), inv_scale))
         if norm_sq is not None:
             add_sum_of_squares(grads, norm_sq)
+            norm_sq.copy_(torch.where(overflow.to(norm_sq.device), torch.full_like(norm_sq, math.inf), norm_sq))
 
     def _each_group(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None,
                     norm_sq: torch.Tensor | None) -> None:

@@ -106,8 +106,14 @@ class GradScaler(torch.amp.GradScaler):
             so that ranks holding different gradients (ZeRO, hand-made shards) skip the same
             steps. FSDP2's DTensor gradients need none: torch's op reduces over their mesh.
         dynamic: False for static loss scaling (torch_npu's ``dynamic=False``): the scale stays
-            ``init_scale``; steps with inf/NaN gradients are still skipped.
+            ``init_scale``; steps with inf/NaN gradients are still skipped (torch_npu's static
+            mode checks nothing and always steps; docs/backends/npu.md says why this differs).
     """
+
+    #: whether this iteration's first scale() ran the backend's on_scale hook
+    _iteration_open = False
+    #: a device-wide overflow status seen this iteration (shared by every optimizer of it)
+    _status_overflow = False
 
     def __init__(
         self,
@@ -159,9 +165,12 @@ class GradScaler(torch.amp.GradScaler):
 
     # -- where the backend acts ---------------------------------------------------------
     def scale(self, outputs: Any) -> Any:
-        """torch's ``scale``, after the backend's :meth:`~amp_backends.Backend.on_scale` hook
-        (which clears a device-wide overflow status before backward)."""
-        if self._enabled or self._check_finite:
+        """torch's ``scale``; the first call of an iteration (after construction or ``update()``)
+        runs the backend's :meth:`~amp_backends.Backend.on_scale` hook first, which clears a
+        device-wide overflow status before any backward of the iteration (torch_npu clears it
+        there, once: later micro-batches' ``scale()`` must not wipe an earlier overflow)."""
+        if (self._enabled or self._check_finite) and not self._iteration_open:
+            self._iteration_open = True
             self.backend.on_scale(self)
         return super().scale(outputs)
 
@@ -216,6 +225,8 @@ class GradScaler(torch.amp.GradScaler):
         """
         arena = flat_grads_of(optimizer)
         self._arena = arena if arena is not None and arena.attached() else None
+        if self._arena is not None and not self._arena.has_gradients():
+            return {}  # torch's path finds no gradient either: its step raises, as torch's does
         be = self.backend
         found: dict[torch.device, torch.Tensor] = {}
         partials: dict[torch.device, torch.Tensor] = {}
@@ -233,13 +244,50 @@ class GradScaler(torch.amp.GradScaler):
             if norm_sq is not None:
                 for partial in partials.values():
                     norm_sq.add_(partial.to(norm_sq.device))
-            if self._process_group is not None:
+            if be.global_overflow_status and found:
+                self._share_status(found, norm_sq)
+            elif self._process_group is not None:
                 import torch.distributed as dist
 
                 pg = None if self._process_group == "world" else self._process_group
                 for tensor in found.values():
                     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=pg)
         return found
+
+    def _share_status(self, found: dict[torch.device, torch.Tensor], norm_sq: torch.Tensor | None) -> None:
+        """A device-wide overflow status holds for the whole iteration, as torch_npu's
+        ``_has_overflow`` does: reading it resets the register, so what one optimizer's op read is
+        kept for every later optimizer of the iteration, and agreed on across ranks (the status is
+        set only on the rank whose backward saturated; after DDP's all-reduce the others hold
+        finite saturated gradients and a clear status). The status read is a host read already,
+        so agreeing costs no extra device sync."""
+        overflow = self._status_overflow or any(bool(t.item()) for t in found.values())
+        group = self._status_group()
+        if group is not False:
+            import torch.distributed as dist
+
+            where = "cpu" if dist.get_backend(group) == "gloo" else next(iter(found))
+            flag = torch.tensor(float(overflow), device=where)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            overflow = bool(flag.item())
+        self._status_overflow = overflow
+        if overflow:
+            for t in found.values():
+                t.fill_(1.0)
+            if norm_sq is not None:
+                norm_sq.fill_(math.inf)
+
+    def _status_group(self) -> Any:
+        """The process group a device-wide overflow status is agreed over: the scaler's
+        ``process_group``, else the default group when one is initialised (torch_npu's rule),
+        else False (one process)."""
+        if self._process_group is not None:
+            return None if self._process_group == "world" else self._process_group
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return None
+        return False
 
     @staticmethod
     def _per_device(
@@ -459,6 +507,8 @@ class GradScaler(torch.amp.GradScaler):
         return total
 
     def _inf_when_scale_underflowed(self, total: torch.Tensor) -> torch.Tensor:
+        if self._status_overflow:  # a device-wide status said overflow: the values are saturated
+            return torch.full_like(total, math.inf)
         if not self._enabled or self._scale is None:
             return total
         return torch.where(self._scale.to(total.device) == 0, torch.full_like(total, math.inf), total)
@@ -474,6 +524,7 @@ class GradScaler(torch.amp.GradScaler):
                 self._overflows += 1
                 self._last_overflow = index
             self._host_found = {}
+            self._iteration_open = self._status_overflow = False
             return
         scale, _ = self._check_scale_growth_tracker("update")
         if new_scale is not None:
@@ -504,6 +555,7 @@ class GradScaler(torch.amp.GradScaler):
                     self._warn_if_low(float(scale.item()))
         self._host_found = {}
         self._updates += 1
+        self._iteration_open = self._status_overflow = False
 
     def _tracker_mirror(self) -> int:
         return self._mirror[1] if self._mirror is not None else self._get_growth_tracker()

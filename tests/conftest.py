@@ -33,9 +33,15 @@ def write_distribution(
     return root
 
 
+#: Variables that choose a simulated extension's visible devices: a test sets them when it means to.
+_VISIBILITY = ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "MUSA_VISIBLE_DEVICES")
+
+
 def run_python(code: str, paths: list[Path] = (), env: dict[str, str] | None = None, timeout: int = 240):
     """Run ``code`` in a fresh interpreter with ``paths`` on sys.path; return the CompletedProcess."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BACKEND")}
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BACKEND") and k not in _VISIBILITY}
+    if any("sim_packages" in str(p) and str(p).endswith("mlu") for p in paths):
+        full_env.pop("CUDA_VISIBLE_DEVICES", None)  # torch_mlu falls back to it: a test sets it when it means to
     full_env["PYTHONPATH"] = os.pathsep.join([str(p) for p in paths] + [full_env.get("PYTHONPATH", "")])
     full_env.update(env or {})
     return subprocess.run(

@@ -345,3 +345,113 @@ def test_check_must_be_known():
     with pytest.raises(ValueError, match="'identity', 'refcount'"):
         amp_backends.flat_grads(opt, check="never")
     assert flat_grads_of(opt) is arena and opt.zero_grad == arena.zero_grad, "the arena in place stays"
+
+
+class _Branchy(torch.nn.Module):
+    """A trunk always used, a branch used only at some steps, a head never used after step 0."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.trunk = torch.nn.Linear(6, 6)
+        self.branch = torch.nn.Linear(6, 6)
+        self.early = torch.nn.Linear(6, 1)
+        self.out = torch.nn.Linear(6, 1)
+
+    def forward(self, x, step):
+        h = torch.relu(self.trunk(x))
+        if step % 3 == 0:
+            h = h + self.branch(h)
+        y = self.out(h)
+        return y + self.early(h) if step == 0 else y
+
+
+def _branchy_run(arena: bool, optimizer: str, set_to_none: bool, overflow_at: int | None = None):
+    model = _Branchy()
+    make = {
+        "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "sgd-weight-decay": lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    }
+    opt = make[optimizer](model.parameters())
+    if arena:
+        amp_backends.flat_grads(opt)
+    scaler = GradScaler("cpu", init_scale=2.0**8) if arena else torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    g = torch.Generator().manual_seed(2)
+    history = []
+    for step in range(6):
+        opt.zero_grad(set_to_none=set_to_none)
+        for _ in range(2):  # accumulation: the branch is used (or not) in both micro-batches
+            x = torch.randn(4, 6, generator=g)
+            loss = model(x, step).square().mean()
+            scaler.scale(loss).backward()
+        if step == overflow_at:
+            model.trunk.weight.grad[0, 0] = math.inf
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        scaler.step(opt)
+        scaler.update()
+        history.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale(),
+                        {n: g is None for n, g in grads.items()}))
+    return history
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "sgd-weight-decay", "adamw", "adam"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_parameters_without_a_gradient_step_as_with_torchs_scaler(optimizer, set_to_none):
+    """A branch used every third step and a head used only at step 0: with the arena the
+    parameters after every step are bitwise those of torch's scaler without it (the optimizer
+    sees None where torch's would, zeros where set_to_none=False keeps them)."""
+    ours = _branchy_run(True, optimizer, set_to_none, overflow_at=4)
+    theirs = _branchy_run(False, optimizer, set_to_none, overflow_at=4)
+    for step, ((p_ours, s_ours, _), (p_theirs, s_theirs, _)) in enumerate(zip(ours, theirs)):
+        assert s_ours == s_theirs, step
+        for a, b in zip(p_ours, p_theirs):
+            assert torch.equal(a, b), f"step {step}: parameters differ from torch's scaler"
+
+
+def test_the_optimizer_sees_none_only_for_the_step_and_views_come_back():
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    arena = amp_backends.flat_grads(opt)
+    scaler = GradScaler("cpu", init_scale=2.0**8)
+    seen = {}
+
+    def spy(optimizer, args, kwargs):
+        seen.update({n: p.grad is None for n, p in model.named_parameters()})
+
+    opt.register_step_pre_hook(spy)  # runs after the arena's pre-hook
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(4, 6), 1).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert seen == {"trunk.weight": False, "trunk.bias": False, "branch.weight": True, "branch.bias": True,
+                    "early.weight": True, "early.bias": True, "out.weight": False, "out.bias": False}
+    opt.zero_grad()
+    assert arena.problem() is None, "the held-back views are in their slots again"
+    assert all(p.grad is not None and p.grad.data_ptr() for p in model.parameters())
+
+
+def test_an_optimizer_without_any_gradient_raises_as_torchs_scaler_does():
+    for arena, scaler in ((True, GradScaler("cpu", init_scale=4.0)), (False, torch.amp.GradScaler("cpu", init_scale=4.0))):
+        model = _Branchy()
+        unused = torch.optim.SGD(model.branch.parameters(), lr=0.1)
+        used = torch.optim.SGD(model.trunk.parameters(), lr=0.1)
+        if arena:
+            amp_backends.flat_grads(unused)
+            amp_backends.flat_grads(used)
+        unused.zero_grad()
+        used.zero_grad()
+        scaler.scale(model(torch.randn(4, 6), 1).sum()).backward()
+        scaler.step(used)
+        with pytest.raises((RuntimeError, AssertionError), match="No inf checks were recorded for this optimizer"):
+            scaler.step(unused)
+
+
+def test_release_removes_the_arenas_hooks():
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    arena.release()
+    assert not opt._optimizer_step_pre_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())

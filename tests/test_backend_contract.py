@@ -157,6 +157,35 @@ def test_a_global_overflow_status_is_cleared_by_scale_and_read_by_unscale():
     assert be.kernel.seen == [], "the tensors are not inspected: the status is the check"
 
 
+def test_the_status_is_cleared_once_per_iteration_and_held_for_every_optimizer():
+    """torch_npu's semantics: the first scale() after update() clears; later scale() calls of the
+    iteration (accumulation) do not; one read serves every optimizer of the iteration; an
+    overflowing group is left scaled and its norm is inf."""
+    register = StatusRegister()
+    be = _status_backend(register)
+    a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    scaler = GradScaler(be, init_scale=8.0)
+    scaler.scale(a(torch.ones(1, 4)).sum()).backward()
+    register.overflow = True  # micro-batch 1's backward overflowed
+    scaler.scale(b(torch.ones(1, 4)).sum()).backward()  # micro-batch 2: must not clear it
+    assert register.clears == 1 and register.overflow
+    grad_before = a.weight.grad.clone()
+    scaler.unscale_(opt_a)
+    assert torch.equal(a.weight.grad, grad_before), "left scaled, as the device's op leaves them"
+    assert not register.overflow, "the read reset the register"
+    assert math.isinf(scaler.clip_grad_norm_(opt_b, 1.0).item()), "the iteration's overflow holds for opt_b"
+    scaler.step(opt_a)
+    scaler.step(opt_b)  # the register was reset by the read: the iteration's overflow still holds
+    assert scaler.last_step_skipped
+    scaler.update()
+    assert scaler.get_scale() == 4.0 and scaler.stats.skipped == 2 and scaler.stats.overflows == 1
+    scaler.scale(a(torch.ones(1, 4)).sum()).backward()
+    scaler.step(opt_a)
+    assert not scaler.last_step_skipped and register.clears == 2
+
+
 def test_without_float64_one_over_scale_is_computed_in_float32():
     class Float64Calls(TorchFunctionMode):
         def __init__(self):

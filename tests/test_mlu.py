@@ -99,8 +99,10 @@ def test_simulated_torch_mlu_keeps_the_real_kernels_limits_and_the_scaler_routes
         SIM,
         {"AMP_SIM_MLU_MAX_ELEMENTS": "256"},
     )
-    assert out["torch_bf16"] == "Currently amp_unscale only support float32 and float16 dtype"
-    assert "exceeds the kernel's limit of 256 elements" in out["torch_size"]
+    # csrc/aten/operators/bang/amp_unscale.cpp's own texts
+    assert out["torch_bf16"] == ("Currently amp_unscale only support float32 and float16 dtype, "
+                                 "not implemented for BFloat16")
+    assert out["torch_size"] == "Not implemented large tensor."
     assert out["same"] and out["found"] == 0.0
 
 
@@ -219,8 +221,30 @@ def test_no_device_hint_names_the_variable_that_decides():
     assert "cnmon" in both
     assert "MLU_VISIBLE_DEVICES=''" in run_json(code, SIM, {"MLU_VISIBLE_DEVICES": ""})
     ok = run_json(code.replace('amp_backends.get("mlu"); err = ""', 'err = str(amp_backends.get("mlu").device(1))'),
-                  SIM, {"MLU_VISIBLE_DEVICES": "0,1"})
+                  SIM, {"MLU_VISIBLE_DEVICES": "0,1", "AMP_SIM_MLU_DEVICES": "2"})
     assert ok == "mlu:1"
+    # torch_mlu reads CUDA_VISIBLE_DEVICES when neither of its own variables is set
+    cuda = run_json(code, SIM, {"CUDA_VISIBLE_DEVICES": ""})
+    assert "CUDA_VISIBLE_DEVICES=''" in cuda
+
+
+@needs_sim_device
+@pytest.mark.parametrize(("env", "count"), [
+    ({}, 2),
+    ({"CN_VISIBLE_DEVICES": "1"}, 1),
+    ({"MLU_VISIBLE_DEVICES": "0, 1, 0"}, 0),  # a repeated ordinal: no devices
+    ({"MLU_VISIBLE_DEVICES": "0,-1,1"}, 1),  # a negative ordinal ends the list
+    ({"MLU_VISIBLE_DEVICES": "1,two,0"}, 1),  # so does anything not a number
+    ({"MLU_VISIBLE_DEVICES": "0,7"}, 1),  # cut at the first ordinal the machine lacks
+    ({"CUDA_VISIBLE_DEVICES": "1,0"}, 2),
+    ({"CUDA_VISIBLE_DEVICES": "0", "MLU_VISIBLE_DEVICES": ""}, 0),  # MLU_VISIBLE_DEVICES wins
+])
+def test_visible_devices_parse_as_torch_mlu_does(env, count):
+    """torch_mlu ``mlu/__init__.py`` ``_parse_visible_devices`` and ``_device_count_cndev``, on a
+    simulated machine with two MLUs."""
+    out = run_json("import json, torch, torch_mlu; print(json.dumps(torch.mlu.device_count()))", SIM,
+                   {"AMP_SIM_MLU_DEVICES": "2", **env})
+    assert out == count
 
 
 @needs_sim_device

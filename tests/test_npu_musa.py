@@ -5,6 +5,12 @@ limits and overflow reporting. Each test runs in its own process: PrivateUse1 is
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from amp_backends.testing import SIMULATED, sim_packages_path
@@ -75,12 +81,20 @@ def test_saturation_mode_defeats_a_per_tensor_check():
 
 
 @needs_sim_device
-@pytest.mark.parametrize(("capability", "dtypes"), [("2.2", ["torch.float16", "torch.bfloat16"]), ("2.1", ["torch.float16"])])
-def test_musa_trains_and_bf16_follows_the_capability(capability, dtypes):
-    out = run_json(LOOP % ("musa", "be.grad_scaler(init_scale=2.**10)"), MUSA, {"AMP_SIM_MUSA_CAPABILITY": capability})
+@pytest.mark.parametrize(("capability", "tensor", "dtypes", "native"), [
+    ("2.2", "1", ["torch.float16", "torch.bfloat16"], ["torch.float16", "torch.bfloat16"]),
+    ("2.1", "1", ["torch.float16", "torch.bfloat16"], ["torch.float16"]),  # bf16 emulated
+    ("2.1", "0", ["torch.float16"], ["torch.float16"]),  # no bf16 tensor on the device
+])
+def test_musa_trains_and_bf16_follows_torch_musas_rule(capability, tensor, dtypes, native):
+    """torch_musa core/device.py: bf16 native from capability 2.2; below it supported (emulated)
+    where a bf16 tensor can be made, and then not native."""
+    out = run_json(LOOP.replace('"scale": scaler.get_scale()', '"scale": scaler.get_scale(), '
+                                '"native": [str(d) for d in be.native_dtypes()]') % ("musa", "be.grad_scaler(init_scale=2.**10)"),
+                   MUSA, {"AMP_SIM_MUSA_CAPABILITY": capability, "AMP_SIM_MUSA_BF16_TENSOR": tensor})
     assert out["skipped"] == [False, False, False, True, False, False]
     assert out["finite_after_overflow"] == [False] and out["dist"] == "mccl" and out["built"] == "2.7.1"
-    assert out["dtypes"] == dtypes and out["status_mode"] is False
+    assert out["dtypes"] == dtypes and out["native"] == native and out["status_mode"] is False
 
 
 @needs_sim_device
@@ -135,3 +149,80 @@ def test_extension_imported_only_when_asked_for(name, module):
         [sim_packages_path(name)],
     )
     assert out == [False, True]
+
+
+def _two_ranks(tmp_path, backend: str, env: dict[str, str]) -> list[dict]:
+    here = Path(__file__).resolve().parent
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("AMP_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    full.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env})
+    full["PYTHONPATH"] = os.pathsep.join([str(p) for p in NPU] + [full.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(here / "status_dist_worker.py"), "--backend", backend, "--out", str(tmp_path)],
+        capture_output=True, text=True, env=full, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize(("backend", "inf_nan"), [
+    pytest.param("npu", "0", marks=needs_sim_device, id="npu-saturation"),
+    pytest.param("npu", "1", marks=needs_sim_device, id="npu-inf-nan"),
+    pytest.param("cpu", "1", id="cpu"),
+])
+def test_an_overflow_on_one_rank_skips_the_step_on_both(tmp_path, backend, inf_nan):
+    """torch_npu's _sync_dist_overflow_count: in saturation mode only the rank whose backward
+    overflowed has the status set; the scaler agrees on it over the default group, so both ranks
+    skip step 1, back off, and keep identical parameters."""
+    ranks = _two_ranks(tmp_path, backend, {"AMP_SIM_NPU_INF_NAN": inf_nan})
+    assert ranks[0]["status_mode"] is (backend == "npu" and inf_nan == "0")
+    for r in ranks:
+        assert [e["skipped"] for e in r["record"]] == [False, True, False, False]
+        assert [e["scale"] for e in r["record"]] == [256.0, 128.0, 128.0, 128.0]
+    assert ranks[0]["params"] == ranks[1]["params"]
+
+
+@needs_sim_device
+@pytest.mark.parametrize(("inf_nan", "bf16"), [("0", "1"), ("1", "1"), ("1", "0")])
+def test_simulated_torch_npu_follows_its_source(inf_nan, bf16):
+    """torch_npu/npu/utils.py: the status functions raise (get) and warn (clear) with inf/NaN
+    mode; autocast_utils: bf16 listed only where the chip has it; op-plugin's unscale op in
+    saturation mode: on overflow found_inf is set and the gradients stay scaled."""
+    out = run_json(
+        """
+        import json, warnings, torch, torch_npu
+        res = {"dtypes": [str(d) for d in torch.npu.get_amp_supported_dtype()]}
+        try:
+            res["get"] = torch_npu.npu.get_npu_overflow_flag()
+        except RuntimeError as exc:
+            res["get"] = "raises: " + str(exc)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch_npu.npu.clear_npu_overflow_flag()
+        res["clear_warns"] = [str(w.message) for w in caught]
+        g = torch.full((3,), 8.0).to("npu")
+        found = torch.zeros(()).to("npu")
+        inv = torch.full((), 0.25).to("npu")
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv)
+        res["clean"] = [found.item(), g.cpu().tolist()]
+        g.mul_(torch.full((), 3e38).to("npu")).mul_(1e10)  # overflows: saturates, or inf
+        before = g.cpu().clone()
+        torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv)
+        res["overflow"] = [found.item(), torch.equal(g.cpu(), before) or not bool(torch.isfinite(before).all())]
+        res["after_read"] = None if torch_npu.INF_NAN else torch_npu.npu.get_npu_overflow_flag()
+        print(json.dumps(res))
+        """,
+        NPU,
+        {"AMP_SIM_NPU_INF_NAN": inf_nan, "AMP_SIM_NPU_BF16": bf16},
+    )
+    assert out["dtypes"] == (["torch.float16", "torch.bfloat16", "torch.float32"] if bf16 == "1"
+                             else ["torch.float16", "torch.float32"])
+    if inf_nan == "1":
+        assert out["get"].startswith("raises: Unsupported api when soc_version >= Ascend910B1")
+        assert out["clear_warns"] and "useless" in out["clear_warns"][0]
+        assert out["after_read"] is None
+    else:
+        assert out["get"] is False and out["clear_warns"] == []
+        assert out["after_read"] is False, "the op read and reset the status"
+    assert out["clean"] == [0.0, [2.0, 2.0, 2.0]]
+    assert out["overflow"] == [1.0, True], "found, and (saturation mode) the gradients left scaled"

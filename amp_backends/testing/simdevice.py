@@ -30,13 +30,18 @@ from torch.utils._pytree import tree_map
 __all__ = ["raw_of", "install", "installed_name", "overflow_status", "clear_overflow_status",
            "LOWER_PRECISION_OPS", "FP32_OPS", "PROMOTE_OPS"]
 
-#: Ops that run in the autocast dtype (CUDA's lower_precision_fp list, at ATen level).
+#: Ops that run in the autocast dtype (CUDA's lower_precision_fp list, at ATen level: torch's
+#: ``aten/src/ATen/autocast_mode.h`` ``AT_FORALL_LOWER_PRECISION_FP``, which the vendors'
+#: ``autocast_mode.cpp`` files reuse; RNN cells included).
 LOWER_PRECISION_OPS = (
     "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
     "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
-    "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "scaled_dot_product_attention",
+    "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
+    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "scaled_dot_product_attention",
 )
-#: Ops that run in float32 under autocast (CUDA's fp32 list).
+#: Ops that run in float32 under autocast (``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE``;
+#: ``rms_norm``, in current torch's list, is not simulated).
 FP32_OPS = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
     "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm",
@@ -45,9 +50,15 @@ FP32_OPS = (
     "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
     "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
     "softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum", "cross_entropy_loss",
+    "linalg_vector_norm", "linalg_matrix_norm", "upsample_nearest1d", "_upsample_nearest_exact1d",
+    "upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
+    "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d",
+    "upsample_bicubic2d", "_upsample_bicubic2d_aa",
 )
-#: Ops that run in the widest floating dtype among their inputs.
-PROMOTE_OPS = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "index_put", "scatter_add", "tensordot", "cat", "stack")
+#: Ops that run in the widest floating dtype among their inputs (``AT_FORALL_PROMOTE``, plus the
+#: ``cat``/``stack`` that torch's lists handle the same way).
+PROMOTE_OPS = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
+               "scatter_add", "tensordot", "cat", "stack")
 
 _STATE: dict[str, Any] = {"name": None, "libs": [], "saturation": False, "status": False,
                           "allocated": 0, "peak": 0}
@@ -262,7 +273,7 @@ _OVERLOADS: dict[str, Any] = {}
 
 
 def _register_autocast(lib: torch.library.Library, fp32_extra: tuple[str, ...], banned: tuple[str, ...]) -> None:
-    fp32 = tuple(n for n in FP32_OPS + fp32_extra if n not in banned)
+    fp32 = tuple(n for n in dict.fromkeys(FP32_OPS + fp32_extra) if n not in banned)
     for cast, names in (("lower", LOWER_PRECISION_OPS), ("fp32", fp32), ("promote", PROMOTE_OPS), ("banned", banned)):
         for name in names:
             packet = getattr(torch.ops.aten, name, None)
@@ -276,26 +287,33 @@ def _register_autocast(lib: torch.library.Library, fp32_extra: tuple[str, ...], 
                     lib.impl(qualified, _autocast_kernel(cast, qualified), "AutocastPrivateUse1")
 
 
-def _unscale_kernel(dtypes: tuple[torch.dtype, ...] | None, max_elements: int | None, message: str) -> Any:
+#: ATen's ScalarType names (c10 ``toString``), as the extensions' error texts print them.
+_SCALAR_TYPE_NAMES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
+                      torch.float64: "Double"}
+
+
+def _unscale_kernel(dtypes: tuple[torch.dtype, ...] | None, max_elements: int | None, message: str,
+                    large_message: str) -> Any:
     """``_amp_foreach_non_finite_check_and_unscale_`` as the extension's kernel takes it: only
     ``dtypes``, at most ``max_elements`` per tensor; in saturation mode the overflow status is
-    read and reset instead of the tensors being inspected (op-plugin's NPU kernel)."""
+    read and reset instead of the tensors being inspected, and on overflow found_inf is set and
+    nothing is unscaled (op-plugin's NPU kernel)."""
     op = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default
 
     def kernel(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
         for g in grads:
             if dtypes is not None and g.dtype not in dtypes:
-                raise RuntimeError(message)
+                raise RuntimeError(message.format(dtype=_SCALAR_TYPE_NAMES.get(g.dtype, str(g.dtype))))
             if max_elements is not None and g.numel() > max_elements:
-                raise RuntimeError(f"amp_unscale: a tensor of {g.numel()} elements exceeds the kernel's "
-                                   f"limit of {max_elements} elements")
+                raise RuntimeError(large_message.format(numel=g.numel(), limit=max_elements))
         raws = [raw_of(g) for g in grads]
-        if _STATE["saturation"]:
+        if _STATE["saturation"]:  # read and reset the status; on overflow the gradients stay scaled
+            overflow, _STATE["status"] = _STATE["status"], False
+            if overflow:
+                raw_of(found_inf).fill_(1.0)
+                return None
             for r in raws:
                 r.mul_(raw_of(inv_scale))
-            if _STATE["status"]:
-                raw_of(found_inf).fill_(1.0)
-            _STATE["status"] = False
             return None
         op(raws, raw_of(found_inf), raw_of(inv_scale))
         return None
@@ -368,7 +386,8 @@ def install(
     banned: tuple[str, ...] = ("binary_cross_entropy",),
     unscale_dtypes: tuple[torch.dtype, ...] | None = None,
     unscale_max_elements: int | None = None,
-    unscale_message: str = "amp_unscale: unsupported gradient dtype",
+    unscale_message: str = "amp_unscale: unsupported gradient dtype {dtype}",
+    unscale_large_message: str = "amp_unscale: a tensor of {numel} elements exceeds the kernel's limit of {limit}",
     saturation: bool = False,
     module_class: type | None = None,
 ) -> types.ModuleType:
@@ -376,7 +395,8 @@ def install(
 
     ``fp32_extra``/``banned``: the extension's own autocast lists on top of CUDA's (banned ops
     raise under autocast, as CUDA's ``binary_cross_entropy`` does). ``unscale_*``: the limits of
-    the extension's unscale kernel. ``saturation``: inf/NaN results saturate and set a
+    the extension's unscale kernel and its error texts (``{dtype}``: the ScalarType name;
+    ``{numel}``/``{limit}``: sizes). ``saturation``: inf/NaN results saturate and set a
     device-wide overflow status (Ascend without inf/NaN mode)."""
     if _STATE["name"] is not None:
         if _STATE["name"] != name:
@@ -400,7 +420,8 @@ def install(
     for name in _intercepted_ops():
         aten.impl(name, _kernel_for(name), "PrivateUse1")
     aten.impl("_amp_foreach_non_finite_check_and_unscale_",
-              _unscale_kernel(unscale_dtypes, unscale_max_elements, unscale_message), "PrivateUse1")
+              _unscale_kernel(unscale_dtypes, unscale_max_elements, unscale_message, unscale_large_message),
+              "PrivateUse1")
     _register_autocast(aten, fp32_extra, banned)
     _STATE["libs"] = [fallback, aten]
     torch.__future__.set_swap_module_params_on_conversion(True)

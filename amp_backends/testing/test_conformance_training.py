@@ -66,6 +66,64 @@ def test_overflow_computed_on_the_device_is_found(backend):
     assert scaler.get_scale() == 2.0**7
 
 
+def _overflowing(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` times 3e38 on the device: its backward, through the scale, leaves float32's
+    range, so every gradient overflows on the device (inf, or saturated with the status set)."""
+    return loss * torch.full((), 3e38, device=loss.device)
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_accumulation_keeps_an_overflow_from_any_micro_batch(backend, bad):
+    """Three micro-batches, one ``step()``: an overflow in any of them skips the step and backs
+    off. A device that keeps overflow in a status register must not clear it on every
+    ``scale()`` (torch_npu clears it once per iteration)."""
+    model, x, y = _setup(backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = amp_backends.GradScaler(backend, init_scale=2.0**8)
+    before = [p.detach().clone() for p in model.parameters()]
+    for micro in range(3):
+        xs, ys = x[micro::3], y[micro::3]
+        loss = torch.nn.functional.mse_loss(model(xs).float(), ys) / 3
+        scaler.scale(_overflowing(loss) if micro == bad else loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped, f"the overflow in micro-batch {bad} of 3 was lost"
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert scaler.get_scale() == 2.0**7
+    # the next iteration is clean again: the overflow does not leak into it
+    opt.zero_grad()
+    for micro in range(3):
+        scaler.scale(torch.nn.functional.mse_loss(model(x[micro::3]).float(), y[micro::3]) / 3).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert not scaler.last_step_skipped and scaler.get_scale() == 2.0**7
+
+
+def test_two_optimizers_both_skip_an_overflowing_iteration(backend):
+    """One backward, two optimizers stepped by one scaler: an overflow in the backward skips
+    both (a status register is read once and holds for the iteration), and the next
+    iteration steps both."""
+    model, x, y = _setup(backend)
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=0.05)
+    opt_b = torch.optim.SGD(model[2].parameters(), lr=0.05)
+    scaler = amp_backends.GradScaler(backend, init_scale=2.0**8)
+    for step in range(2):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(_overflowing(loss) if step == 0 else loss).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        skipped = []
+        for opt in (opt_a, opt_b):
+            scaler.step(opt)
+            skipped.append(scaler.last_step_skipped)
+        scaler.update()
+        unchanged = [torch.equal(b, p) for b, p in zip(before, model.parameters())]
+        assert skipped == [step == 0] * 2, f"iteration {step}: skipped {skipped}"
+        assert unchanged == [step == 0] * 4
+    assert scaler.get_scale() == 2.0**7
+
+
 def test_arena_matches_the_per_tensor_path(backend):
     """flat_grads() on this device: the same steps, skips and parameters as without it."""
     def run(arena):

@@ -25,8 +25,9 @@ class MLUBackend(ExtensionBackend):
     priority = 100
     extension = "torch_mlu"
     install_hint = "install Cambricon's torch_mlu build that matches this torch"
-    # torch_mlu/mlu/__init__.py: CN_VISIBLE_DEVICES wins over MLU_VISIBLE_DEVICES
-    visible_devices = ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES")
+    # torch_mlu/mlu/__init__.py _parse_visible_devices: CN_VISIBLE_DEVICES, else
+    # MLU_VISIBLE_DEVICES, else CUDA_VISIBLE_DEVICES
+    visible_devices = ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
     device_tool = "cnmon"
     # torch_mlu's unscale kernel (csrc/aten/operators/bang/amp_unscale.cpp) takes float32 and
     # float16 gradients only, and at most INT32_MAX elements per tensor: bf16 gradients (MLU590)

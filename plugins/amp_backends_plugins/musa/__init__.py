@@ -19,7 +19,8 @@ from amp_backends.extension import ExtensionBackend
 
 
 class MUSABackend(ExtensionBackend):
-    """Mixed precision on Moore Threads GPUs (fp16 by default, bf16 from capability 2.2, MCCL)."""
+    """Mixed precision on Moore Threads GPUs (fp16 by default, bf16 native from capability 2.2 and
+    emulated below it where torch_musa allows, MCCL)."""
 
     name = "musa"
     device_type = "musa"
@@ -33,11 +34,27 @@ class MUSABackend(ExtensionBackend):
     unscale_dtypes = (torch.float32, torch.float16, torch.float64)
     built_for_torch = "2.7.1"
 
-    def _bf16(self, module: Any) -> bool:
-        capability = getattr(module, "get_device_capability", None)
-        if not callable(capability):
-            return super()._bf16(module)
-        return tuple(capability()) >= (2, 2)
+    # torch_musa core/device.py: is_bf16_supported(including_emulation=True) holds from compute
+    # capability 2.2, and below it wherever a bf16 tensor can be made (emulated). The base class asks
+    # it (emulation counted) for the autocast dtypes; native math is the capability rule.
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        module = self._load()
+        supported = self.supported_dtypes()
+        if module is None or self._capability(module) >= (2, 2):
+            return supported
+        return tuple(d for d in supported if d != torch.bfloat16)
+
+    def emulation_reason(self, dtype: torch.dtype) -> str:
+        module = self._load()
+        if dtype == torch.bfloat16 and module is not None:
+            major, minor = self._capability(module)
+            return f"this GPU's compute capability {major}.{minor} is below 2.2, the first with bf16 math"
+        return super().emulation_reason(dtype)
+
+    @staticmethod
+    def _capability(module: Any) -> tuple[int, int]:
+        query = getattr(module, "get_device_capability", None)
+        return tuple(query()) if callable(query) else (0, 0)  # type: ignore[return-value]
 
 
 @hookimpl

@@ -5,9 +5,11 @@ What it keeps of the real torch_mlu (branch r2.4_develop; the files named are to
 - ``torch_mlu/__init__.py``: PrivateUse1 renamed "mlu", ``torch.mlu`` the device module;
 - ``mlu/autocast_utils.py``: ``get_amp_supported_dtype()`` is [fp16, bf16] on every chip;
 - ``mlu/__init__.py``: ``is_bf16_supported()`` is "device major >= 5" (MLU370: 3, MLU590: 5);
-  visible devices from ``CN_VISIBLE_DEVICES``, else ``MLU_VISIBLE_DEVICES``;
+  ``_parse_visible_devices``: ``CN_VISIBLE_DEVICES``, else ``MLU_VISIBLE_DEVICES``, else
+  ``CUDA_VISIBLE_DEVICES`` (master), a repeated entry giving no devices and a negative or
+  non-numeric one ending the list; ``AMP_SIM_MLU_DEVICES`` sets how many the machine has;
 - ``csrc/aten/operators/bang/amp_unscale.cpp``: the unscale op takes float32 and float16
-  gradients only, at most INT32_MAX elements per tensor;
+  gradients only, at most INT32_MAX elements per tensor, with the op's own error texts;
 - ``csrc/aten/autocast_mode.cpp``: torch's (CUDA's) lists, ``binary_cross_entropy`` banned,
   ``norm`` and ``linalg_vector_norm`` in float32;
 - ``mlu/amp/autocast_mode.py``, ``mlu/amp/grad_scaler.py``: deprecated wrappers of
@@ -38,12 +40,49 @@ if _CHIP not in CHIPS:
     raise ImportError(f"AMP_SIM_MLU_CHIP={_CHIP!r}: the simulation knows {', '.join(CHIPS)}")
 
 
+#: Devices the simulated machine has (``AMP_SIM_MLU_DEVICES``, default 1; 0 with ``nodevice``).
+_PHYSICAL = 0 if _MODE == "nodevice" else int(os.environ.get("AMP_SIM_MLU_DEVICES", "1"))
+
+
+def _parse_visible_devices() -> list[int] | list[str]:
+    """torch_mlu ``mlu/__init__.py`` ``_parse_visible_devices``: ``CN_VISIBLE_DEVICES``, else
+    ``MLU_VISIBLE_DEVICES``, else ``CUDA_VISIBLE_DEVICES``; a repeated entry gives no devices; an
+    entry that is not a non-negative ordinal ends the list; UUIDs (36+ characters with '-') are
+    taken up to the first entry without '-'."""
+    var = next((os.environ[v] for v in ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+                if v in os.environ), None)
+    if var is None:
+        return list(range(64))
+    if "-" in var and len(var) >= 36:
+        uuids: list[str] = []
+        for elem in var.split(","):
+            if elem in uuids:
+                return []
+            if "-" not in elem:
+                break
+            uuids.append(elem)
+        return uuids
+    ordinals: list[int] = []
+    for elem in var.split(","):
+        elem = elem.strip()
+        x = int(elem) if elem.isdigit() else -1
+        if x in ordinals:
+            return []
+        if x < 0:
+            break
+        ordinals.append(x)
+    return ordinals
+
+
 def _visible_count() -> int:
-    for var in ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES"):  # the first one set wins
-        value = os.environ.get(var)
-        if value is not None:
-            return len([v for v in value.split(",") if v.strip() != ""])
-    return 0 if _MODE == "nodevice" else 1
+    """``_device_count_cndev``: the visible ordinals, cut at the first one the machine lacks."""
+    visible = _parse_visible_devices()
+    if visible and isinstance(visible[0], str):
+        return 0  # the simulated devices have no UUIDs: none matches
+    for i, ordinal in enumerate(visible):
+        if ordinal >= _PHYSICAL:
+            return i
+    return len(visible)
 
 
 class _MLUModule(simdevice._DeviceModule):
@@ -65,7 +104,8 @@ mlu = simdevice.install(
     banned=("binary_cross_entropy",),
     unscale_dtypes=(torch.float32, torch.float16),
     unscale_max_elements=int(os.environ.get("AMP_SIM_MLU_MAX_ELEMENTS", 2**31 - 1)),
-    unscale_message="Currently amp_unscale only support float32 and float16 dtype",
+    unscale_message="Currently amp_unscale only support float32 and float16 dtype, not implemented for {dtype}",
+    unscale_large_message="Not implemented large tensor.",
     module_class=_MLUModule,
 )
 

@@ -8,9 +8,13 @@ What it keeps of the real torch_npu (the files named are torch_npu's and op-plug
   saturation mode: overflowing results saturate to the largest finite value (NaN to 0) and set
   a device-wide status, read by ``torch_npu.npu.get_npu_overflow_flag()`` and reset by
   ``clear_npu_overflow_flag()``;
+  on chips with inf/NaN mode ``get_npu_overflow_flag()`` raises and ``clear_npu_overflow_flag()``
+  warns and does nothing;
 - op-plugin ``AmpForeachNonFiniteCheckAndUnscaleKernelNpuOpApi.cpp``: in saturation mode the
-  unscale op reads and resets that status instead of inspecting the gradients;
-- ``npu/autocast_utils.py``: ``get_amp_supported_dtype()`` lists fp16, bf16 and fp32;
+  unscale op reads and resets that status instead of inspecting the gradients, and when it says
+  overflow sets found_inf and returns without unscaling;
+- ``npu/autocast_utils.py``: ``get_amp_supported_dtype()`` lists ``[fp16, bf16, fp32]`` when
+  ``is_bf16_supported()``, else ``[fp16, fp32]``;
 - ``is_bf16_supported()``: True (``AMP_SIM_NPU_BF16=0`` for a chip without);
 - the release number is the torch release it is built for.
 
@@ -27,15 +31,17 @@ import torch
 from amp_backends.testing import simdevice
 
 INF_NAN = os.environ.get("AMP_SIM_NPU_INF_NAN", "1") != "0"
-_BF16 = os.environ.get("AMP_SIM_NPU_BF16", "1") != "0"
+BF16 = os.environ.get("AMP_SIM_NPU_BF16", "1") != "0"
 
 
 class _NPUModule(simdevice._DeviceModule):
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
-        return [torch.float16, torch.bfloat16, torch.float32]
+        if self.is_bf16_supported():
+            return [torch.float16, torch.bfloat16, torch.float32]
+        return [torch.float16, torch.float32]
 
 
-npu_module = simdevice.install("npu", bf16=_BF16, device_count=1, saturation=not INF_NAN, module_class=_NPUModule)
+npu_module = simdevice.install("npu", bf16=BF16, device_count=1, saturation=not INF_NAN, module_class=_NPUModule)
 
 from . import npu  # noqa: E402  (torch_npu.npu: the overflow-status functions and utils)
 

@@ -1,4 +1,4 @@
-"""``torch_npu.npu.utils`` of the simulated torch_npu."""
+"""``torch_npu.npu.utils`` of the simulated torch_npu (torch_npu's ``npu/utils.py``)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,29 @@ def is_support_inf_nan() -> bool:
     return torch_npu.INF_NAN
 
 
-def npu_check_overflow(grad: object) -> bool:
-    """In inf/NaN mode, whether ``grad`` holds inf/NaN; in saturation mode, the status register."""
+def is_bf16_supported() -> bool:
+    """Whether the chip runs bf16 (``AMP_SIM_NPU_BF16=0`` for one without)."""
     import torch_npu
 
-    from . import get_npu_overflow_flag
+    return torch_npu.BF16
 
-    if not torch_npu.INF_NAN:
-        return get_npu_overflow_flag()
-    tensors = grad if isinstance(grad, (list, tuple)) else [grad]
-    return any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()) for t in tensors)
+
+def npu_check_overflow(grad: object) -> bool:
+    """In inf/NaN mode, whether ``grad`` (a tensor or a float) holds inf/NaN, from the sum of its
+    values; in saturation mode the status register, cleared when it was set."""
+    import torch_npu
+
+    from . import clear_npu_overflow_flag, get_npu_overflow_flag
+
+    if is_support_inf_nan():
+        if isinstance(grad, float):
+            total = grad
+        elif isinstance(grad, torch.Tensor):
+            total = float(grad.float().sum())
+        else:
+            raise RuntimeError("Unsupported type.")
+        return total != total or total in (float("inf"), -float("inf"))
+    overflow = get_npu_overflow_flag()
+    if overflow:
+        clear_npu_overflow_flag()
+    return overflow
