@@ -11,6 +11,9 @@ from pathlib import Path
 from .errors import AmpBackendsError
 
 _DEMO_EPOCHS = 8  # DemoConfig's default (demo is imported only when it runs)
+# the bench's models (bench_models is imported only when bench runs; test_cli keeps these in step)
+_BENCH_MODELS = ("resnet50", "bert-base", "gpt2-small", "mlp", "cnn", "transformer")
+_BENCH_DEFAULT = ("resnet50", "bert-base", "gpt2-small")
 
 
 class CLIError(AmpBackendsError):
@@ -44,12 +47,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", action="store_true", help="print a JSON summary (no progress bar)")
 
-    bench = sub.add_parser("bench", help="FP32 against AMP step time and peak memory, per model")
-    bench.add_argument("--backend", help="backend name (default: best available)")
-    bench.add_argument("--rounds", type=int, default=20, help="timed steps per configuration")
-    bench.add_argument("--warmup", type=int, default=3)
-    bench.add_argument("--scale", type=float, default=1.0,
-                       help="model and batch size factor, in (0, 8] (0.25 for a quick run)")
+    bench = sub.add_parser("bench", help="fp32, TF32 and AMP step time and peak memory, per model")
+    bench.add_argument("--backend", help="backend name (default: best available, or $AMP_BACKEND)")
+    bench.add_argument("--models", default=",".join(_BENCH_DEFAULT),
+                       help=f"comma-separated, from: {', '.join(_BENCH_MODELS)} (default: %(default)s)")
+    bench.add_argument("--size", choices=("auto", "full", "small"), default="auto",
+                       help="full: the real models at real batch sizes; small: narrower, for CPUs "
+                            "(default auto: full on an accelerator, small on a CPU)")
+    bench.add_argument("--list", action="store_true", help="list the models and their parameter counts, then exit")
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="timed rounds per mode (default: 5 at small size, 20 at full size)")
+    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--scale", type=float, default=1.0, help="batch-size factor, in (0, 8]")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", metavar="PNG", help="also draw the table (needs matplotlib)")
     return parser
@@ -72,12 +81,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
+    except BrokenPipeError:  # the reader stopped early (`amp-backends info | head -1`): not an error
+        _silence_stdout()
+        return 0
     except (AmpBackendsError, OSError) as exc:
         print(f"amp-backends {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"amp-backends {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush to a closed pipe does
+    not fail again at exit."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -96,15 +120,26 @@ def _run(args: argparse.Namespace) -> int:
         )
         return demo_main(cfg, as_json=args.json)
     if args.command == "bench":
-        if args.rounds < 1 or args.warmup < 0:
+        if args.list:
+            from .bench import list_models
+
+            print(list_models())
+            return 0
+        if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
             raise CLIError(f"--rounds must be >= 1 and --warmup >= 0, got {args.rounds} and {args.warmup}")
         if not (math.isfinite(args.scale) and 0 < args.scale <= 8):
             raise CLIError(f"--scale must be in (0, 8], got {args.scale:g}")
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        unknown = [m for m in models if m not in _BENCH_MODELS]
+        if unknown or not models:
+            raise CLIError(f"--models: unknown model {', '.join(map(repr, unknown)) or '(none given)'}; "
+                           f"choose from {', '.join(_BENCH_MODELS)} (amp-backends bench --list)")
         if args.plot is not None:
             _check_plot_path(args.plot)
         from .bench import main as bench_main
 
-        return bench_main(args.backend, args.rounds, args.warmup, args.scale, args.json, args.plot)
+        return bench_main(args.backend, list(dict.fromkeys(models)), args.size, args.rounds, args.warmup, args.scale,
+                          args.json, args.plot)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

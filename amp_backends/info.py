@@ -89,7 +89,7 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001
         chosen = os.environ.get("AMP_BACKEND", "").strip()
         if chosen and chosen.lower() != "auto":
-            env_error = f"AMP_BACKEND={chosen!r} cannot be used: {exc}"
+            env_error = str(exc) if str(exc).startswith("AMP_BACKEND=") else f"AMP_BACKEND={chosen!r} cannot be used: {exc}"
     from .hardware import cpu_summary
 
     return {

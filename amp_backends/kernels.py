@@ -27,7 +27,13 @@ def add_sum_of_squares(grads: Sequence[torch.Tensor], norm_sq: torch.Tensor) -> 
     """
     if not grads:
         return
-    norms = torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)
+    grads = list(grads)
+    if all(g.dtype == torch.float32 for g in grads):
+        norms = torch._foreach_norm(grads, 2.0)  # already fp32: DTensor (torch 2.14) refuses the dtype argument
+    elif any(type(g) is not torch.Tensor for g in grads):
+        norms = torch._foreach_norm([g.float() for g in grads], 2.0)  # exact upcast: the same fp32 norms
+    else:
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
     total = torch.linalg.vector_norm(torch.stack(list(norms)))
     full_tensor = getattr(total, "full_tensor", None)  # a DTensor: reduce its partial norm
     if callable(full_tensor):

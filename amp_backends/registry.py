@@ -26,6 +26,7 @@ import pluggy
 from . import hookspecs
 from .backend import Backend
 from .errors import (
+    AmpBackendsError,
     BackendUnavailableError,
     DuplicateBackendError,
     PluginLoadError,
@@ -307,7 +308,11 @@ class Registry:
         if name is None or (isinstance(name, str) and name.strip().lower() == "auto"):
             chosen = os.environ.get("AMP_BACKEND", "").strip()
             if chosen and chosen.lower() != "auto":
-                return self.get(chosen)
+                try:
+                    return self.get(chosen)
+                except AmpBackendsError as exc:  # the same error, naming where the name came from
+                    raise type(exc)(f"AMP_BACKEND={chosen!r} cannot be used: {str(exc).rstrip('.')}. Unset "
+                                    "AMP_BACKEND to use the best available backend") from None
             usable = self.available()
             if not usable:
                 reasons = "; ".join(f"{n}: {probe(b)}" for n, (b, _, _) in sorted(self._backends.items()))

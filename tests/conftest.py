@@ -37,6 +37,17 @@ def write_distribution(
 _VISIBILITY = ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "MUSA_VISIBLE_DEVICES")
 
 
+def cpu_only_env() -> dict[str, str]:
+    """Environment for a subprocess that must see no accelerator backend (only cpu and what the
+    test installs): the accelerators this machine has are switched off with the project's own
+    ``AMP_BACKENDS_DISABLE_PLUGINS`` (their entry points are named as their backends). On a GPU
+    machine, or in CI's accelerator-first leg, ``amp_backends.get()`` would otherwise pick them."""
+    import amp_backends
+
+    others = [name for name in amp_backends.available() if name != "cpu"]
+    return {"AMP_BACKENDS_DISABLE_PLUGINS": ",".join(others)} if others else {}
+
+
 def run_python(code: str, paths: list[Path] = (), env: dict[str, str] | None = None, timeout: int = 240):
     """Run ``code`` in a fresh interpreter with ``paths`` on sys.path; return the CompletedProcess."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BACKEND") and k not in _VISIBILITY}

@@ -1,4 +1,4 @@
-"""A torchrun worker (2 CPU ranks, gloo) that trains two identical models side by side, one
+"""A torchrun worker (2 ranks: CPU over gloo, or one GPU each over nccl with --backend cuda) that trains two identical models side by side, one
 with ``amp_backends.GradScaler`` and ``scaler.clip_grad_norm_``, one with ``torch.amp.GradScaler``
 and torch's clip recipe (``unscale_`` then ``torch.nn.utils.clip_grad_norm_``), and records both.
 
@@ -34,17 +34,19 @@ parser.add_argument("--inject-rank", type=int, default=1)
 parser.add_argument("--inject-step", type=int, default=3)
 parser.add_argument("--steps", type=int, default=7)
 parser.add_argument("--out", required=True)
+parser.add_argument("--backend", default="cpu", help="cpu (gloo) or cuda (nccl, one GPU per rank)")
 args = parser.parse_args()
 
-info = distributed.init_process_group("cpu")
+info = distributed.init_process_group(args.backend)
 be = info.backend
+dev = info.device
 state = {"step": -1}
 
 
 def build(seed_offset: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 37), torch.nn.ReLU(),
-                                torch.nn.Linear(37, 2))
+                                torch.nn.Linear(37, 2)).to(dev)
     first = model[0].weight
     if args.wrap == "fsdp2":
         try:
@@ -60,7 +62,8 @@ def build(seed_offset: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
 
     if info.rank == args.inject_rank:  # before DDP's all-reduce: only this rank's gradient is inf
         first.register_hook(lambda g: torch.full_like(g, math.inf) if state["step"] == args.inject_step else g)
-    return DDP(model, gradient_as_bucket_view=args.wrap == "ddp-buckets", bucket_cap_mb=1), model
+    return DDP(model, device_ids=info.device_ids, gradient_as_bucket_view=args.wrap == "ddp-buckets",
+               bucket_cap_mb=1), model
 
 
 def inject(model: torch.nn.Module) -> None:
@@ -79,7 +82,7 @@ def global_norm(model: torch.nn.Module) -> float:
 
 
 g = torch.Generator().manual_seed(100 + info.rank)
-batches = [(torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)) for _ in range(args.steps)]
+batches = [(torch.randn(16, 8, generator=g).to(dev), torch.randn(16, 2, generator=g).to(dev)) for _ in range(args.steps)]
 runs = {}
 for name in ("ours", "torch"):
     net, inner = build()
@@ -90,14 +93,14 @@ for name in ("ours", "torch"):
     warnings.simplefilter("always", RuntimeWarning)
     if name == "ours":
         scaler = amp_backends.GradScaler(be, init_scale=2.0**12, growth_interval=3)
-        assert scaler._device == "cpu" and isinstance(scaler, torch.amp.GradScaler)
+        assert scaler._device == be.device_type and isinstance(scaler, torch.amp.GradScaler)
     else:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+        scaler = torch.amp.GradScaler(be.device_type, init_scale=2.0**12, growth_interval=3)
     record = []
     for step, (x, y) in enumerate(batches):
         state["step"] = step
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(be.device_type, dtype=torch.float16):
             loss = torch.nn.functional.mse_loss(net(x).float(), y)
         scaler.scale(loss).backward()
         inject(inner)

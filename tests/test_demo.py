@@ -16,6 +16,7 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> su
     import os
 
     full = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BACKEND")}
+    full["AMP_BACKEND"] = "cpu"  # what these tests check is the CPU's behaviour, whatever else the machine has
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "amp_backends", *args], capture_output=True, text=True,
                           timeout=timeout, env=full)
@@ -31,6 +32,10 @@ def test_demo_default_reaches_digit_accuracy():
     assert out["samples_per_second"] > 0 and out["peak_memory_bytes"] > 0
     assert out["scaler"]["enabled"] is False and out["scaler"]["steps"] == 8 * 23
     assert out["amp_speedup"] > 0 and set(out["native_dtypes"]) | set(out["emulated_dtypes"]) == {"bfloat16", "float16"}
+    low, high = out["amp_speedup_iqr"]
+    assert low <= out["amp_speedup"] <= high and out["fp32_step_ms"] > 0
+    assert out["amp_verdict"] == ("not measurable" if out["host_bound"] else
+                                  "faster" if low > 1.02 else "slower" if high < 0.98 else "no clear difference")
 
 
 def test_demo_fp16_uses_the_scaler_and_shows_progress():
@@ -87,6 +92,29 @@ def test_bad_arguments_get_one_line_errors(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    assert "dtype=None" not in proc.stderr, "the command's words, not the Python API's"
+    if args[0] == "--dtype":
+        assert f"--dtype {args[1]}:" in proc.stderr and "leave --dtype out" in proc.stderr
+
+
+def test_amp_backend_variable_is_named_when_it_cannot_be_used():
+    proc = cli("demo", "--epochs", "1", env={"AMP_BACKEND": "nosuch"})
+    assert proc.returncode == 2 and "AMP_BACKEND='nosuch' cannot be used: unknown backend 'nosuch'" in proc.stderr
+    assert "Unset AMP_BACKEND" in proc.stderr
+
+
+def test_output_into_a_closed_pipe_is_not_an_error():
+    """`amp-backends info | head -1`: the reader stops early; no error, no traceback."""
+    import os
+
+    proc = subprocess.run(f"{sys.executable} -m amp_backends info -v | head -1", shell=True, capture_output=True,
+                          text=True, timeout=120, executable="/bin/bash",
+                          env={**os.environ, "AMP_BACKEND": "cpu"})
+    assert proc.stdout.startswith("torch ") and len(proc.stdout.splitlines()) == 1
+    assert proc.stderr == "" and proc.returncode == 0
+    piped = subprocess.run(f"set -o pipefail; {sys.executable} -m amp_backends info | head -c 10 > /dev/null",
+                           shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0 and "Broken pipe" not in piped.stderr
 
 
 def test_bad_checkpoints_get_clear_errors(tmp_path):
@@ -145,24 +173,66 @@ def test_checkpoint_save_is_atomic(tmp_path):
         checkpoint.load(path, "t", required=("y",))
 
 
-def test_bench_table_json_and_plot(tmp_path):
-    proc = cli("bench", "--scale", "0.1", "--rounds", "2", "--warmup", "1", "--json")
+ROW_FIELDS = {"model", "params", "mode", "step_ms", "peak_mem_bytes", "speedup_vs_fp32",
+              "speedup_vs_best_full_precision", "native"}
+
+
+def test_bench_real_models_json_every_field(tmp_path):
+    """The three real models at the CPU's size: every mode's row with its fields, TF32 n/a with the
+    reason, the adapter's overhead on AMP rows, a recommendation per model."""
+    proc = cli("bench", "--models", "resnet50,bert-base,gpt2-small", "--rounds", "2", "--warmup", "0", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["backend"] == "cpu" and out["torch"] == torch.__version__ and out["date"]
-    pairs = {(r["model"], r["dtype"]) for r in out["rows"]}
-    assert pairs == {(m, d) for m in ("mlp", "cnn", "transformer") for d in ("float16", "bfloat16")}
+    assert out["backend"] == "cpu" and out["torch"] == torch.__version__ and out["date"] and out["size"] == "small"
+    assert list(out["models"]) == ["resnet50", "bert-base", "gpt2-small"]
+    modes = ["fp32", "tf32", "amp-float16", "torch-float16", "amp-bfloat16", "torch-bfloat16"]
+    assert [(r["model"], r["mode"]) for r in out["rows"]] == [(m, x) for m in out["models"] for x in modes]
     for r in out["rows"]:
-        assert r["fp32_ms"] > 0 and r["amp_ms"] > 0 and r["speedup"] == pytest.approx(r["fp32_ms"] / r["amp_ms"])
-        assert 20 < r["mem_saving_pct"] < 60, "half-size activations, fp32 where the policy keeps it"
-    proc = cli("bench", "--scale", "0.1", "--rounds", "1", "--warmup", "0")
-    assert "| model" in proc.stdout and "speedup" in proc.stdout and "peak-mem saving" in proc.stdout
+        assert ROW_FIELDS <= set(r), r
+        if r["mode"] == "tf32":
+            assert r["step_ms"] is None and "CUDA" in r["unavailable"]
+            continue
+        assert r["step_ms"] > 0 and r["peak_mem_bytes"] > 0 and r["params"] > 100_000
+        low, high = r["speedup_vs_fp32_iqr"]
+        assert low <= r["speedup_vs_fp32"] <= high
+        assert ("overhead_vs_torch" in r) is r["mode"].startswith("amp-")
+        if r["mode"] != "fp32":
+            assert 10 < r["mem_saving_pct"] < 70, "16-bit activations where autocast lowers them"
+    recs = {r["model"]: r for r in out["recommendation"]}
+    for model in out["models"]:
+        fastest = min((r for r in out["rows"] if r["model"] == model and r["step_ms"] and r["via"] != "torch"),
+                      key=lambda r: r["step_ms"])
+        assert recs[model]["fastest"] == fastest["mode"], "the recommendation is the fastest mode measured"
+        assert set(recs[model]["peak_mem_bytes"]) == {"fp32", "amp-float16", "amp-bfloat16"}
+
+
+def test_bench_table_progress_and_plot(tmp_path):
+    proc = cli("bench", "--models", "mlp,cnn", "--scale", "0.1", "--rounds", "1", "--warmup", "0")
+    assert proc.returncode == 0, proc.stderr
+    assert "| model" in proc.stdout and "vs fp32 [IQR]" in proc.stdout and "vs torch.amp" in proc.stdout
+    assert "Recommendation (per model):" in proc.stdout and "small size for a CPU" in proc.stdout
+    assert "bench=mlp: round 1/1" in proc.stderr, "progress, one line per stage off a terminal"
     pytest.importorskip("matplotlib")
     png = tmp_path / "bench.png"
-    assert cli("bench", "--scale", "0.1", "--rounds", "1", "--warmup", "0", "--plot", str(png)).returncode == 0
+    assert cli("bench", "--models", "mlp", "--scale", "0.1", "--rounds", "1", "--warmup", "0",
+               "--plot", str(png)).returncode == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = cli("bench", "--rounds", "0")
     assert bad.returncode == 2 and "--rounds must be >= 1" in bad.stderr
+    bad = cli("bench", "--models", "resnet50,vgg")
+    assert bad.returncode == 2 and "unknown model 'vgg'" in bad.stderr and "bench --list" in bad.stderr
+
+
+def test_bench_list_counts_the_reference_models_parameters():
+    proc = cli("bench", "--list")
+    assert proc.returncode == 0, proc.stderr
+    from amp_backends.bench_models import REAL_MODELS, param_count
+
+    for name, spec in REAL_MODELS.items():
+        n = param_count(name)
+        assert abs(n - spec.reference_params) / spec.reference_params < 0.01, name
+        assert f"{n / 1e6:.2f}M" in proc.stdout
+    assert {"25.56M", "109.48M", "124.44M"} <= set(proc.stdout.split())
 
 
 @pytest.mark.slow

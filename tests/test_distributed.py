@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ def torchrun(script: Path, *args: str, cwd: Path = HERE, env_extra: dict | None 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AMP_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env["AMP_BACKEND"] = "cpu"
     env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: a GPU would be picked by DeviceMesh and DDP otherwise
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
@@ -113,6 +115,20 @@ def test_fsdp2_with_the_triton_kernel_hands_dtensor_shards_to_torch(tmp_path):
     _check_parity(run_parity(tmp_path, "--wrap", "fsdp2", env_extra=env), "DTensor", bitwise=True, kernel="triton")
 
 
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(_gpus() < 2 or not torch.distributed.is_nccl_available(),
+                    reason=f"FSDP2 on NCCL needs 2 CUDA GPUs and NCCL; this machine has {_gpus()} GPU(s)")
+def test_fsdp2_on_nccl_matches_torch_bitwise(tmp_path):
+    """The GPU variant: fully_shard over NCCL, one GPU per rank, fp16 autocast on cuda."""
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(2))), "AMP_BACKEND": "cuda"}
+    _check_parity(run_parity(tmp_path, "--wrap", "fsdp2", "--backend", "cuda", env_extra=env), "DTensor",
+                  bitwise=True, kernel=amp_backends.get("cuda").kernel.name)
+
+
 def test_ddp_gradient_as_bucket_view_matches_torch_bitwise(tmp_path):
     _check_parity(run_parity(tmp_path, "--wrap", "ddp-buckets"), "Tensor", bitwise=True)
 
@@ -167,8 +183,39 @@ def test_autocast_module_applies_in_worker_threads():
             t.join()
     assert results == {"plain": torch.float32, "wrapped": torch.bfloat16}
     assert "dtype=torch.bfloat16" in repr(wrapped)
-    dp = torch.nn.DataParallel(wrapped)  # without GPUs DataParallel calls the module directly
-    assert dp(x).dtype == torch.bfloat16
+    if not torch.cuda.is_available():  # without GPUs DataParallel calls the module directly
+        assert torch.nn.DataParallel(wrapped)(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("where", ["parameters", "inputs"])
+def test_autocast_module_warns_once_when_the_devices_differ(where):
+    """A cpu backend's autocast around a module or inputs elsewhere (DataParallel moves replicas to
+    cuda) would leave them in float32 silently: the first forward says so, naming both devices."""
+    be = amp_backends.get("cpu")
+    module = torch.nn.Linear(4, 4) if where == "parameters" else torch.nn.Identity()
+    wrapped = amp_backends.autocast_module(module, be, torch.bfloat16)
+    module.to("meta")  # moved after wrapping, as DataParallel moves replicas: checked at the first forward
+    x = torch.randn(2, 4, device="meta")
+    with pytest.warns(RuntimeWarning, match=rf"backend 'cpu' autocasts cpu ops, but the wrapped module's {where} are on meta"):
+        wrapped(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped(x)  # checked once, not per step
+    same = amp_backends.autocast_module(torch.nn.Linear(4, 4), be, torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert same(torch.randn(2, 4)).dtype == torch.bfloat16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="DataParallel on cuda needs a CUDA GPU")
+def test_autocast_module_under_data_parallel_on_cuda():
+    """DataParallel's replicas run in threads, one per GPU: the cuda backend's autocast reaches them."""
+    be = amp_backends.get("cuda")
+    torch.manual_seed(0)
+    wrapped = amp_backends.autocast_module(torch.nn.Linear(8, 8).cuda(), be, torch.float16)
+    dp = torch.nn.DataParallel(wrapped)
+    assert dp(torch.randn(4 * max(1, torch.cuda.device_count()), 8, device="cuda")).dtype == torch.float16
 
 
 @pytest.mark.slow

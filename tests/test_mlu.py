@@ -12,7 +12,7 @@ import torch.utils.backend_registration
 
 from amp_backends.testing import sim_packages_path
 
-from conftest import run_json
+from conftest import cpu_only_env, run_json
 
 SIM = [sim_packages_path("mlu")]
 needs_sim_device = pytest.mark.skipif(
@@ -201,7 +201,7 @@ def test_each_unavailable_reason(mode, paths, reason):
         print(json.dumps({"err": err, "available": amp_backends.available(), "best": amp_backends.get().name}))
         """,
         paths,
-        {"AMP_SIM_MLU": mode},
+        {"AMP_SIM_MLU": mode, **cpu_only_env()},
     )
     assert reason in out["err"] and "mlu" not in out["available"] and out["best"] == "cpu"
 
@@ -249,7 +249,7 @@ def test_visible_devices_parse_as_torch_mlu_does(env, count):
 
 @needs_sim_device
 def test_auto_picks_the_simulated_mlu_over_cpu():
-    out = run_json("import json, amp_backends; print(json.dumps(amp_backends.get().name))", SIM)
+    out = run_json("import json, amp_backends; print(json.dumps(amp_backends.get().name))", SIM, cpu_only_env())
     assert out == "mlu"
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from amp_backends.testing import SIMULATED, sim_packages_path
 
-from conftest import run_json
+from conftest import cpu_only_env, run_json
 from test_mlu import needs_sim_device
 
 NPU = [sim_packages_path("npu")]
@@ -131,6 +131,7 @@ def test_not_installed_says_so_and_nothing_is_imported(name, module):
             err = str(e)
         print(json.dumps({{"err": err, "imported": {module!r} in sys.modules, "best": amp_backends.get().name}}))
         """,
+        env=cpu_only_env(),
     )
     assert f"{module} is not installed" in out["err"] and out["best"] == "cpu" and not out["imported"]
 

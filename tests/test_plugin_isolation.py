@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import ACME_SOURCE, run_json, run_python, write_distribution
+from conftest import ACME_SOURCE, cpu_only_env, run_json, run_python, write_distribution
 
 
 @pytest.mark.parametrize(("where", "raise_", "returncode", "marker"), [
@@ -52,7 +52,7 @@ print(json.dumps({"chosen": chosen, "auto": auto, "warnings": [str(w.message) fo
 
 
 def test_a_plugin_cannot_take_a_builtin_name_without_override(tmp_path):
-    out = run_json(SHOW, [_cpu_clone(tmp_path, override=False)])
+    out = run_json(SHOW, [_cpu_clone(tmp_path, override=False)], cpu_only_env())
     assert out["chosen"] == out["auto"] == "CPUBackend", "the built-in stays"
     assert len(out["warnings"]) == 1, "said once, where the user meets it"
     said = out["warnings"][0]
@@ -62,12 +62,12 @@ def test_a_plugin_cannot_take_a_builtin_name_without_override(tmp_path):
 
 
 def test_an_override_of_a_builtin_is_named_wherever_it_takes_effect(tmp_path):
-    out = run_json(SHOW, [_cpu_clone(tmp_path, override=True)])
+    out = run_json(SHOW, [_cpu_clone(tmp_path, override=True)], cpu_only_env())
     assert out["chosen"] == out["auto"] == "AcmeBackend"
     assert any("overrides the built-in 'cpu' backend" in w for w in out["warnings"])
     assert "overrides the built-in 'cpu' backend" in out["info"]
     demo = run_python("from amp_backends import cli; cli.main(['demo', '--epochs', '1'])",
-                      [_cpu_clone(tmp_path / "d", override=True)])
+                      [_cpu_clone(tmp_path / "d", override=True)], cpu_only_env())
     assert "overrides the built-in 'cpu' backend" in demo.stderr
 
 
@@ -160,7 +160,7 @@ def test_a_hanging_probe_is_bounded_and_asked_once(tmp_path):
     print(json.dumps({"best": best, "err": err, "seconds": time.perf_counter() - t}))
     """
     start = time.perf_counter()
-    out = run_json(code, [root], {"AMP_BACKENDS_PROBE_TIMEOUT": "1"})
+    out = run_json(code, [root], {"AMP_BACKENDS_PROBE_TIMEOUT": "1", **cpu_only_env()})
     assert out["best"] == "cpu" and "did not return within 1 s" in out["err"]
     assert out["seconds"] < 10 and time.perf_counter() - start < 60, "one wait of 1 s, not one per question"
 
@@ -175,7 +175,7 @@ def test_a_probe_must_answer_a_bool(tmp_path):
     except amp_backends.BackendUnavailableError as e:
         err = str(e)
     print(json.dumps({"best": amp_backends.get().name, "err": err}))
-    """, [root])
+    """, [root], cpu_only_env())
     assert out["best"] == "cpu" and "is_available() returned str 'no', not True or False" in out["err"]
 
 
@@ -192,3 +192,18 @@ def test_a_forced_kernel_that_raises_is_refused_clearly(tmp_path):
     print(json.dumps(err))
     """, [root], {"AMP_BACKENDS_KERNEL": "fast"})
     assert "AMP_BACKENDS_KERNEL='fast' cannot run on 'cpu': it failed its self-check (raised RuntimeError: kernel crashed)" in out
+
+
+def test_conformance_suite_skips_with_the_reason_when_the_probe_raises(tmp_path):
+    """README's 15-line backend installed on a machine without the device: ``torch.acme`` does not
+    exist, ``is_available()`` raises; every check skips, saying why, instead of erroring."""
+    source = PROBE_SOURCE.replace("NAME", "acmedev").replace("BODY", "return torch.acme.is_available()")
+    root = write_distribution(tmp_path / "a", "acmedev-amp", "acmedev_amp", source, {"acmedev": "acmedev_amp"})
+    proc = run_python(
+        "import sys, pytest; sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', '--pyargs', "
+        "'amp_backends.testing', '--amp-backend', 'acmedev']))",
+        [root],
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "error" not in proc.stdout.splitlines()[-1] and " skipped" in proc.stdout.splitlines()[-1]
+    assert "is_available() raised AttributeError" in proc.stdout

@@ -32,6 +32,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: Elements per program: big enough to stream on a GPU, small in the interpreter so tests span blocks.
 BLOCK = 512 if INTERPRET else 4096
 NUM_WARPS = 8
+#: NVIDIA: a register budget for ptxas (the ``.maxnreg`` of the PTX). Without one, ptxas behind
+#: Triton 3.8 (``--regAllocOptLevel=2``) caps the fp16 check+norm kernel at 32 registers and
+#: spills one to the stack; with it no variant spills (the AOT test compiles every one).
+MAXNREG = 128
+#: Launch options per device kind: ``maxnreg`` is an NVIDIA option (ROCm's backend has none).
+_NVIDIA_OPTIONS = {"maxnreg": MAXNREG} if not getattr(torch.version, "hip", None) else {}
 
 #: Gradient dtypes the kernel handles; others go to torch's ops.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -206,6 +212,7 @@ def _launch(
         NORM=norm_sq is not None,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,  # y * y + acc rounded twice on every target, as the interpreter does
+        **(_NVIDIA_OPTIONS if base.device.type == "cuda" and not INTERPRET else {}),
     )
     if norm_sq is not None:
         norm_sq.add_(partial.sum())

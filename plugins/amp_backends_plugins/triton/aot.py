@@ -149,8 +149,10 @@ def compile_all(targets: list[str], block: int = 4096) -> list[Variant]:
                     v = Variant(name, dtype, op, aligned)
                     try:
                         src = _source(triton, _kernels._grad_kernel, ptr, 16 // size, aligned, scale, write, norm, block)
-                        compiled = triton.compile(src, target=GPUTarget(backend, arch, warp),
-                                                  options={"num_warps": _kernels.NUM_WARPS, "enable_fp_fusion": False})
+                        options = {"num_warps": _kernels.NUM_WARPS, "enable_fp_fusion": False}
+                        if backend == "cuda":  # as the launch passes them on NVIDIA
+                            options["maxnreg"] = _kernels.MAXNREG
+                        compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
                         if backend == "cuda":
                             _inspect_nvidia(v, compiled)
                         else:

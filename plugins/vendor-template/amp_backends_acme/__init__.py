@@ -17,6 +17,10 @@ class AcmeBackend(amp_backends.Backend):
     device_type = "cpu"  # your device type, e.g. "acme"
     default_dtype = torch.bfloat16
     dist_backend = "gloo"  # your collective library's process-group backend
+    # get() picks the available backend with the highest priority: the built-in accelerators
+    # (cuda, mlu, npu, musa) use 100 and cpu 0. Installed, this template would win over cpu; give a
+    # real device 100, and keep a backend that runs on the CPU below 0 so that cpu stays the choice.
+    priority = -10
 
     def is_available(self) -> bool:
         return self.unavailable_reason() is None
@@ -27,6 +31,11 @@ class AcmeBackend(amp_backends.Backend):
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.bfloat16, torch.float16)
+
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        # the dtypes your chip's math units run (emulated ones make autocast warn and info say so);
+        # this template computes on the CPU, so it reports what the cpu backend found on this CPU
+        return amp_backends.get("cpu").native_dtypes()
 
 
 @amp_backends.hookimpl

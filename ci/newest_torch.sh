@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The newest torch release, as the README's install gives it (`pip install "torch>=2.4"`: a CUDA
+# build with the Triton it pulls in; it runs on the CPU), in a virtual environment of its own.
+# Every later install is held to that torch by a constraint. The whole suite runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv-newest
+. .venv-newest/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet "torch>=2.4"
+python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > .venv-newest/constraints.txt
+python -m pip install --quiet -c .venv-newest/constraints.txt -e ".[dev]"
+python -c "import torch, triton; print('newest torch:', torch.__version__, 'triton:', triton.__version__)"
+python -m pytest -n auto -p no:cacheprovider
