@@ -12,10 +12,10 @@ modes interleaved round by round after warm-up, so that drift of the machine hit
 
 Speedups are medians of per-round ratios (the modes of one round ran back to back), with the
 interquartile range of those ratios; a verdict ("faster", "slower") is given only when that
-range lies wholly on one side of 1, else "no clear difference". A model whose fp32 step is
-shorter than ``HOST_BOUND_MS`` is bound by kernel launches and host work, not by the device's
-arithmetic: its rows carry no verdict and the recommendation says to look at the real-size
-models. Dtypes the device emulates are measured in fewer rounds and labelled.
+range lies wholly on one side of 1, else "no clear difference". Where both a mode's step and
+fp32's are shorter than ``HOST_BOUND_MS``, kernel launches and host work decide them, not the
+device's arithmetic: that row carries no verdict, and a model all of whose steps are that short
+gets no recommendation but a pointer to the real-size models. Dtypes the device emulates are measured in fewer rounds and labelled.
 
 Peak memory is the device allocator's peak where the device has one; elsewhere (CPU) it is the
 memory of the tensors autograd saves for backward, which is what lower precision shrinks.
@@ -44,7 +44,7 @@ from .registry import get
 __all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "Mode", "modes_for", "run", "recommend", "render", "list_models"]
 
 DEFAULT_MODELS = tuple(REAL_MODELS)
-#: An fp32 step shorter than this is launch- and host-bound: no speed verdict from it.
+#: Steps shorter than this are launch- and host-bound: no speed verdict from them.
 HOST_BOUND_MS = 10.0
 #: Rounds for a dtype the device emulates (many times slower than fp32): enough to show that.
 EMULATED_ROUNDS = 2
@@ -272,13 +272,14 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                     bar.step()
             del model, steps
             rows += _rows(name, params, modes, times, memory)
-            fp32_ms = 1e3 * statistics.median(times["fp32"])
+            longest_ms = 1e3 * max(statistics.median(t) for t in times.values())
             notes[name] = {"batch": batch, "input": spec.shapes[size], "size": size,
-                           "host_bound": fp32_ms < HOST_BOUND_MS}
+                           "host_bound": longest_ms < HOST_BOUND_MS}
     finally:
         bar.close()
-    for row in rows:
-        if notes[row["model"]]["host_bound"]:
+    fp32_ms = {r["model"]: r["step_ms"] for r in rows if r["mode"] == "fp32"}
+    for row in rows:  # both steps of a few ms: launches and host work decide, not the arithmetic
+        if row["step_ms"] is not None and max(row["step_ms"], fp32_ms[row["model"]]) < HOST_BOUND_MS:
             row["verdict"] = "host-bound: no verdict"
     if be.device_type == "cuda":
         device_name = torch.cuda.get_device_name()
@@ -349,8 +350,8 @@ def recommend(rows: list[dict[str, Any]], notes: dict[str, dict[str, Any]] | Non
         host_bound = bool((notes or {}).get(model, {}).get("host_bound"))
         clear = runner is not None and not host_bound and _clearly_faster(best, runner)
         if host_bound:
-            why = (f"the fp32 step takes under {HOST_BOUND_MS:g} ms: launches and host work, not the device's "
-                   "arithmetic, decide it. Measure a real-size model (--models resnet50,bert-base,gpt2-small)")
+            why = (f"every step takes under {HOST_BOUND_MS:g} ms: launches and host work, not the device's "
+                   "arithmetic, decide them. Measure a real-size model (--models resnet50,bert-base,gpt2-small)")
         elif clear:
             why = f"faster than {runner['mode']} in the rounds' interquartile range"
         else:
@@ -404,7 +405,8 @@ def render(result: dict[str, Any]) -> str:
     for rec in result["recommendation"]:
         memory = ", ".join(f"{k} {_mib(v)} MiB" for k, v in rec["peak_mem_bytes"].items())
         if rec["clear"]:
-            head = f"{rec['fastest']} ({rec['speedup_vs_fp32']:.2f}x fp32's speed): {rec['why']}"
+            speed = "" if rec["fastest"] == "fp32" else f" ({rec['speedup_vs_fp32']:.2f}x fp32's speed)"
+            head = f"{rec['fastest']}{speed}: {rec['why']}"
         else:
             head = f"no clear winner (fastest median: {rec['fastest']}): {rec['why']}"
         advice.append(f"  {rec['model']}: {head}; peak memory: {memory}")

@@ -109,8 +109,8 @@ def measure_amp_speed(be: Backend, dtype: torch.dtype, x: torch.Tensor, y: torch
                       steps: int = 4, rounds: int = 5) -> dict[str, Any]:
     """AMP against fp32 on this device, for this model: fresh copies, one warm-up step each,
     then ``rounds`` interleaved rounds of ``steps`` steps. Returns the median per-round speed
-    ratio (> 1: AMP is faster), its interquartile range, the fp32 step time, whether the step is
-    too short to show the device's arithmetic (``host_bound``), and the verdict that follows."""
+    ratio (> 1: AMP is faster), its interquartile range, both step times, whether both are too
+    short to show the device's arithmetic (``host_bound``), and the verdict that follows."""
     from .bench import HOST_BOUND_MS, _quartiles, verdict
 
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -142,9 +142,9 @@ def measure_amp_speed(be: Backend, dtype: torch.dtype, x: torch.Tensor, y: torch
             be.synchronize()
             times[amp].append((time.perf_counter() - t0) / steps)
     low, mid, high = _quartiles([f / a for f, a in zip(times[False], times[True])])
-    fp32_ms = 1e3 * sorted(times[False])[len(times[False]) // 2]
-    host_bound = fp32_ms < HOST_BOUND_MS
-    return {"speedup": mid, "iqr": [low, high], "fp32_step_ms": fp32_ms, "host_bound": host_bound,
+    fp32_ms, amp_ms = (1e3 * sorted(times[k])[len(times[k]) // 2] for k in (False, True))
+    host_bound = max(fp32_ms, amp_ms) < HOST_BOUND_MS  # both short: launches and host work decide
+    return {"speedup": mid, "iqr": [low, high], "fp32_step_ms": fp32_ms, "amp_step_ms": amp_ms, "host_bound": host_bound,
             "verdict": "not measurable" if host_bound else verdict(low, high)}
 
 
@@ -229,6 +229,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         "amp_speedup_iqr": speed["iqr"],
         "amp_verdict": speed["verdict"],
         "fp32_step_ms": speed["fp32_step_ms"],
+        "amp_step_ms": speed["amp_step_ms"],
         "host_bound": speed["host_bound"],
     }
 
@@ -323,9 +324,9 @@ def format_summary(result: dict[str, Any]) -> str:
     low, high = result["amp_speedup_iqr"]
     if result["host_bound"]:
         # a step of a few ms is launches and host work: no statement about the device's arithmetic
-        speed_line = (f"AMP vs fp32 here   not measurable on this model: an fp32 step takes "
-                      f"{result['fp32_step_ms']:.1f} ms, too short for the device's arithmetic to decide it "
-                      f"(amp-backends bench measures real-size models)")
+        speed_line = (f"AMP vs fp32 here   not measurable on this model: a step takes "
+                      f"{result['fp32_step_ms']:.1f} ms in fp32, {result.get('amp_step_ms', 0.0):.1f} ms with AMP, too "
+                      f"short for the device's arithmetic to decide it (amp-backends bench measures real-size models)")
     else:
         speed_line = (f"AMP vs fp32 here   {result['amp_speedup']:.2f}x [{low:.2f}-{high:.2f} over rounds] "
                       f"({result['amp_verdict']} on this small model; amp-backends bench measures real-size models)")
