@@ -179,12 +179,15 @@ class Backend:
 
         Warns once (:class:`PerformanceWarning`) when the dtype is emulated on this device.
         """
-        resolved = self._autocast_dtypes.get(dtype) if enabled else None
+        try:
+            resolved = self._autocast_dtypes.get(dtype) if enabled else None
+        except TypeError:  # unhashable: certainly no dtype; resolve_dtype says what is wrong
+            resolved = None
         if resolved is None:
             resolved = self.resolve_dtype(dtype)
             self.warn_if_emulated(resolved, enabled)
             if enabled:  # validated (and warned about) once: a training step asks again every time
-                self._autocast_dtypes[dtype] = resolved
+                self._autocast_dtypes[dtype] = resolved  # hashable: resolve_dtype took it
         return torch.autocast(
             self.device_type,
             dtype=resolved,
@@ -198,10 +201,10 @@ class Backend:
         It scales when the dtype is float16; for bfloat16 it is free (no scaling, no
         unscale pass) and, with ``check_finite=True``, still refuses non-finite steps.
         """
-        from .scaler import GradScaler
+        from .scaler import GradScaler, _flag
 
         needs_scaling = self.resolve_dtype(dtype) == torch.float16
-        kwargs["enabled"] = kwargs.get("enabled", True) and needs_scaling
+        kwargs["enabled"] = _flag("enabled", kwargs.get("enabled", True)) and needs_scaling
         return GradScaler(self, **kwargs)
 
     # -- gradient ops -----------------------------------------------------------------

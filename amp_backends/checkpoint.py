@@ -2,9 +2,11 @@
 
 File layout: one header line ``amp-backends-checkpoint 2 <sha256 of the rest>\\n``, then the
 ``torch.save`` payload. ``save`` writes to a temporary file in the same folder and renames it
-over the target, so a crash never leaves a half-written checkpoint; temporary files left by a
-killed save are removed by the next save to the same target; the file's mode follows the umask
-as any new file's does. ``load`` verifies the checksum before unpickling (with
+over the target, so a crash never leaves a half-written checkpoint; each temporary file is named
+after its host and process, and a later save removes only those whose process is gone (several
+processes saving to one path never delete each other's); a symlink is followed; the keys the
+file's own metadata uses cannot be overridden by the state; the file's mode follows the umask as
+any new file's does. ``load`` verifies the checksum before unpickling (with
 ``torch.load(weights_only=True)``) and turns every way a file can be wrong into one
 CheckpointError that names the file.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import socket
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,8 +37,37 @@ class CheckpointError(AmpBackendsError, ValueError):
     """A checkpoint that cannot be used, or a place a checkpoint cannot be written."""
 
 
+_HOST = socket.gethostname().replace(".", "-") or "host"
+#: Keys the file's own metadata uses: a state may not override them.
+RESERVED_KEYS = ("format", "version", "kind")
+
+
 def _temp_prefix(target: Path) -> str:
     return f".{target.name}."
+
+
+def _temp_name_prefix(target: Path) -> str:
+    """This process's temporary files for ``target``: ``.<name>.<host>.<pid>.<random>.tmp``, so a
+    writer can tell whose a temporary file is, and whether its writer is gone."""
+    return f"{_temp_prefix(target)}{_HOST}.{os.getpid()}."
+
+
+def _abandoned(temp: Path, target: Path) -> bool:
+    """Whether ``temp`` was left by a save that can no longer finish: written on this host by a
+    process that no longer exists. Another host's or a live process's file is left alone."""
+    rest = temp.name[len(_temp_prefix(target)):].split(".")
+    if len(rest) < 3 or rest[0] != _HOST or not rest[1].isdigit():
+        return False
+    pid = int(rest[1])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, owned by someone else
+        return False
+    return False
 
 
 def check_destination(path: str | os.PathLike[str]) -> Path:
@@ -53,7 +85,7 @@ def check_destination(path: str | os.PathLike[str]) -> Path:
             break
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=parent)
+        fd, probe = tempfile.mkstemp(prefix=_temp_name_prefix(target), suffix=".tmp", dir=parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
@@ -68,16 +100,26 @@ def _umask_mode() -> int:
 
 
 def save(path: str | os.PathLike[str], state: Mapping[str, Any], kind: str) -> Path:
-    """Write ``state`` (tensors, numbers, strings, dicts, lists) to ``path`` atomically."""
+    """Write ``state`` (tensors, numbers, strings, dicts, lists) to ``path`` atomically.
+
+    Safe with several writers of one path (each writes its own temporary file; the last rename
+    wins, whole). A symlink is followed: its target is replaced, the link stays."""
+    reserved = [k for k in RESERVED_KEYS if k in state]
+    if reserved:
+        raise CheckpointError(f"the state to save uses {', '.join(map(repr, reserved))}, which the checkpoint's "
+                              f"own metadata uses ({', '.join(RESERVED_KEYS)}): rename those keys")
     target = Path(path)
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f"{_temp_prefix(target)}*.tmp"):  # left by a killed save
-        stale.unlink(missing_ok=True)
+        if _abandoned(stale, target):
+            stale.unlink(missing_ok=True)
     buffer = io.BytesIO()
     torch.save({"format": FORMAT, "version": VERSION, "kind": kind, **state}, buffer)
     body = buffer.getvalue()
     header = b"%s %d %s\n" % (_MAGIC, VERSION, hashlib.sha256(body).hexdigest().encode())
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_name_prefix(target), suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(header)

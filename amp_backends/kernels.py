@@ -144,7 +144,9 @@ TORCH_KERNEL = TorchKernel()
 def kernel_self_check(kernel: Kernel, device: torch.device) -> str | None:
     """What is wrong with ``kernel`` on ``device`` (None: nothing). Float32 and float16 gradients:
     unscale values bitwise equal to torch's op, inf and NaN found, read-only ops write nothing,
-    the sum of squares right; a kernel that raises is reported, not propagated."""
+    the sum of squares right; float32, float16 and bfloat16 gradients longer than any block with
+    the inf/NaN only at their end, per tensor and through ``flat_op_`` on an arena buffer. A kernel
+    that raises is reported, not propagated."""
     threshold = getattr(kernel, "min_elements", None)
     if threshold:  # a kernel that hands small inputs to torch is checked on its own code too
         kernel.min_elements = 0  # type: ignore[attr-defined]
@@ -157,8 +159,72 @@ def kernel_self_check(kernel: Kernel, device: torch.device) -> str | None:
             kernel.min_elements = threshold  # type: ignore[attr-defined]
 
 
+#: The self-check's long gradients: two blocks of 4096 (the Triton kernel's on GPUs; 16 of 512
+#: interpreted) and an odd tail, so a kernel that looks at only the first block, or only the first
+#: 64 elements, misses the inf/NaN put at the end.
+_LONG = 2 * 4096 + 3
+
+
+def _expected(values: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """What an unscale must give: the product computed in float32, cast back (torch's op)."""
+    return (values.float() * inv.float().cpu()).to(values.dtype)
+
+
+def _long_and_flat_problem(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Gradients longer than any block, an inf or NaN only at their very end, per tensor and
+    on an arena's flat buffer (``flat_op_``): found, and clean values unscaled exactly."""
+    from .arena import FlatGroup
+
+    name = str(dtype).replace("torch.", "")
+    inv = torch.full((), 0.5, dtype=torch.float32, device=device)
+    pattern = (torch.arange(_LONG, dtype=torch.float32) % 7 - 3).to(dtype)
+    for bad in (None, float("inf"), float("nan")):
+        # per tensor: a short one, then the long one with the bad value last
+        host = [pattern[:37].clone(), pattern.clone()]
+        if bad is not None:
+            host[1][-1] = bad
+        grads = [h.to(device, copy=True) for h in host]
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        kernel.unscale_and_check_(grads, found, inv)
+        if bool(found.item()) != (bad is not None):
+            return f"{'missed an' if bad is not None else 'reported an'} inf/NaN at element {_LONG - 1} of a {name} gradient"
+        if bad is None and not all(torch.equal(g.cpu(), _expected(h, inv)) for g, h in zip(grads, host)):
+            return f"unscaled {name} values of a {_LONG}-element gradient differ from torch's"
+        # the arena's flat buffer: views 16-byte aligned, zero gaps between them
+        sizes = (5, 37, _LONG)
+        step = max(16 // torch.empty((), dtype=dtype).element_size(), 1)
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total = -(-(total + n) // step) * step
+        buffer = torch.zeros(total, dtype=dtype, device=device)
+        params = []
+        for off, n in zip(offsets, sizes):
+            p = torch.zeros(n, dtype=dtype, device=device, requires_grad=True)
+            p.grad = buffer[off:off + n]
+            params.append(p)
+        values = [pattern[:n].clone() for n in sizes]
+        if bad is not None:
+            values[-1][-1] = bad
+        for p, v in zip(params, values):
+            p.grad.copy_(v.to(device, copy=True))
+        group = FlatGroup(device, dtype, buffer, tuple(params), tuple(offsets), sizes, tuple(p.shape for p in params))
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        kernel.flat_op_(group, found, inv, None)
+        if bool(found.item()) != (bad is not None):
+            return f"its flat_op_ {'missed an' if bad is not None else 'reported an'} inf/NaN in a {name} arena buffer"
+        if bad is None and not all(torch.equal(p.grad.cpu(), _expected(v, inv)) for p, v in zip(params, values)):
+            return f"its flat_op_ unscaled {name} values differently from torch's"
+    return None
+
+
 def _self_check_problem(kernel: Kernel, device: torch.device) -> str | None:
-    for dtype in (torch.float32, torch.float16):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        if dtype == torch.bfloat16:  # bf16 gradients reach a kernel that takes them (a bf16 model)
+            problem = _long_and_flat_problem(kernel, device, dtype)
+            if problem:
+                return problem
+            continue
         base = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.0, -0.75, 6.0, 1.0], dtype=dtype)
         inv = torch.full((), 0.5, dtype=torch.float32, device=device)
         for bad in (None, float("inf"), float("nan")):
@@ -187,4 +253,7 @@ def _self_check_problem(kernel: Kernel, device: torch.device) -> str | None:
         expected = float((base.double() * 0.5).pow(2).sum())
         if abs(float(norm_sq.item()) - expected) > 1e-3 * expected:
             return f"sum of squares {float(norm_sq.item()):g} where {expected:g} is right"
+        problem = _long_and_flat_problem(kernel, device, dtype)
+        if problem:
+            return problem
     return None

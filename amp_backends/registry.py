@@ -11,8 +11,11 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import math
 import os
+import sys
 import threading
 import traceback
 import warnings
@@ -22,6 +25,7 @@ from importlib import metadata
 from typing import Any
 
 import pluggy
+import torch
 
 from . import hookspecs
 from .backend import Backend
@@ -149,25 +153,38 @@ class Registry:
             if self._loaded:
                 return
             self._loaded = True
-            order: list[str] = []
-            for ep in self._entry_points():
-                record = self._record_for(ep)
-                if record.name in self._records:
-                    continue  # the same distribution seen twice on sys.path
-                self._records[record.name] = record
-                if record.status == "disabled":
-                    continue
-                try:
-                    plugin = ep.load()
-                except Exception as exc:  # noqa: BLE001 - a broken plugin must not break others
-                    self._fail(record, exc)  # (KeyboardInterrupt and SystemExit go on to the caller)
-                    continue
-                if self._add_plugin(plugin, record):
-                    order.append(record.name)
-            for plugin, name, package, version in self._extra:
-                if self._add_plugin(plugin, PluginRecord(name, package, version, builtin=False)):
-                    order.append(name)
-            self._collect(order)
+            try:
+                # a plugin that prints while it loads must not corrupt a caller's stdout (info --json)
+                with contextlib.redirect_stdout(sys.stderr):
+                    self._load_all()
+            except BaseException:  # Ctrl-C while a plugin loads: propagate, and load afresh next time
+                self._reset()
+                self._loaded = False
+                raise
+
+    def _load_all(self) -> None:
+        order: list[str] = []
+        for ep in self._entry_points():
+            record = self._record_for(ep)
+            if record.name in self._records:
+                continue  # the same distribution seen twice on sys.path
+            self._records[record.name] = record
+            if record.status == "disabled":
+                continue
+            try:
+                plugin = ep.load()
+            except SystemExit as exc:  # a plugin that exits while imported is a broken plugin, not an exit
+                self._fail(record, _exit_error(exc, "while being imported"))
+                continue
+            except Exception as exc:  # noqa: BLE001 - a broken plugin must not break others
+                self._fail(record, exc)  # (KeyboardInterrupt goes on to the caller)
+                continue
+            if self._add_plugin(plugin, record):
+                order.append(record.name)
+        for plugin, name, package, version in self._extra:
+            if self._add_plugin(plugin, PluginRecord(name, package, version, builtin=False)):
+                order.append(name)
+        self._collect(order)
 
     def _entry_points(self) -> list[metadata.EntryPoint]:
         eps = list(metadata.entry_points(group=self.group))
@@ -225,6 +242,9 @@ class Registry:
                     continue
                 try:
                     impl.function(register=_Registrar(adder, record))
+                except SystemExit as exc:
+                    self._fail(record, _exit_error(exc, f"in its {hook_name} hook"))
+                    self._drop(record)
                 except Exception as exc:  # noqa: BLE001
                     self._fail(record, exc)
                     self._drop(record)
@@ -241,9 +261,7 @@ class Registry:
             raise TypeError(
                 f"register() takes an amp_backends.Backend instance, got {type(backend).__name__}"
             )
-        for attr in ("name", "device_type"):
-            if not isinstance(getattr(backend, attr), str) or not getattr(backend, attr):
-                raise ValueError(f"{type(backend).__name__}.{attr} must be a non-empty string")
+        _check_backend_fields(backend)
         key = backend.name.lower()
         record.backends.append(key)
         if key in self._duplicates:
@@ -449,17 +467,54 @@ class _Registrar:
         self._adder(self._record, obj, **kwargs)
 
 
+#: Names ``get()`` gives a meaning of its own: no backend may take them.
+_RESERVED_NAMES = ("auto",)
+
+
+def _check_backend_fields(backend: Backend) -> None:
+    """The declared fields a backend is ranked and used by: refused at registration (the plugin
+    then fails to load, named in ``info``), never a raw error later in ``get()``."""
+    cls = type(backend).__name__
+    for attr in ("name", "device_type"):
+        value = getattr(backend, attr, None)
+        if not isinstance(value, str) or not value or value != value.strip() or any(c.isspace() for c in value):
+            raise ValueError(f"{cls}.{attr} must be a non-empty string without spaces, got {value!r}")
+    if backend.name.lower() in _RESERVED_NAMES:
+        raise ValueError(f"{cls}.name {backend.name!r} is reserved (get({backend.name!r}) means the best "
+                         "available backend): choose another name")
+    priority = getattr(backend, "priority", None)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"{cls}.priority must be an int (built-in accelerators 100, cpu 0), got "
+                        f"{type(priority).__name__} {priority!r}")
+    if not isinstance(backend.default_dtype, torch.dtype) or not backend.default_dtype.is_floating_point:
+        raise TypeError(f"{cls}.default_dtype must be a floating torch.dtype (torch.float16, torch.bfloat16), "
+                        f"got {type(backend.default_dtype).__name__} {backend.default_dtype!r}")
+
+
 #: Backends whose probe did not return in time: the reason, so a hang costs its wait once.
 _HUNG: dict[int, str] = {}
 
 
+#: The longest probe timeout accepted (an hour): threading's wait refuses much larger numbers.
+_MAX_PROBE_TIMEOUT = 3600.0
+
+
 def probe_timeout() -> float:
-    """Seconds an availability probe may take (``AMP_BACKENDS_PROBE_TIMEOUT``, default 10)."""
+    """Seconds an availability probe may take (``AMP_BACKENDS_PROBE_TIMEOUT``, default 10); a
+    value that is not a number of seconds in (0, 3600] is refused, naming the variable."""
+    raw = os.environ.get("AMP_BACKENDS_PROBE_TIMEOUT", "").strip()
+    if not raw:
+        return 10.0
     try:
-        value = float(os.environ.get("AMP_BACKENDS_PROBE_TIMEOUT", "") or 10.0)
+        value = float(raw)
     except ValueError:
-        value = 10.0
-    return value if value > 0 else 10.0
+        value = math.nan
+    if not (0 < value <= _MAX_PROBE_TIMEOUT):
+        raise AmpBackendsError(
+            f"AMP_BACKENDS_PROBE_TIMEOUT={raw!r} must be a number of seconds in (0, {_MAX_PROBE_TIMEOUT:g}]; "
+            "unset it for the default (10)"
+        )
+    return value
 
 
 def probe(backend: Backend) -> str | None:
@@ -481,12 +536,17 @@ def probe(backend: Backend) -> str | None:
             if not isinstance(ok, bool):
                 answer.append(f"{cls}.is_available() returned {type(ok).__name__} {ok!r}, not True or False")
             elif ok:
-                answer.append(None)
+                dtypes = backend.supported_dtypes()  # what get()'s callers use next: broken means unusable
+                if not isinstance(dtypes, tuple) or not dtypes or not all(isinstance(d, torch.dtype) for d in dtypes):
+                    answer.append(f"{cls}.supported_dtypes() returned {dtypes!r}, not a non-empty tuple of torch dtypes")
+                else:
+                    answer.append(None)
             else:
                 reason = backend.unavailable_reason()
                 answer.append(str(reason) if reason else f"{cls}.is_available() returned False")
         except Exception as exc:  # noqa: BLE001 - a failing probe is a reason, not a crash
-            answer.append(f"{cls}.is_available() raised {type(exc).__name__}: {exc}")
+            where = "supported_dtypes()" if answer == [] and _raised_in(exc, "supported_dtypes") else "is_available()"
+            answer.append(f"{cls}.{where} raised {type(exc).__name__}: {exc}")
 
     timeout = probe_timeout()
     thread = threading.Thread(target=ask, name=f"amp-backends probe {backend.name}", daemon=True)
@@ -499,6 +559,22 @@ def probe(backend: Backend) -> str | None:
         )
         return _HUNG[id(backend)]
     return answer[0]
+
+
+def _exit_error(exc: SystemExit, where: str) -> RuntimeError:
+    error = RuntimeError(f"the plugin called sys.exit({exc.code!r}) {where}")
+    error.__traceback__ = exc.__traceback__
+    return error
+
+
+def _raised_in(exc: BaseException, function: str) -> bool:
+    """Whether ``exc`` came out of a frame of a function called ``function``."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _safe_available(backend: Backend) -> bool:

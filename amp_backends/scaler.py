@@ -135,6 +135,7 @@ class GradScaler(torch.amp.GradScaler):
         self._check_finite = _flag("check_finite", check_finite)
         self._dynamic = _flag("dynamic", dynamic)
         _check_factors(init_scale, growth_factor, backoff_factor, growth_interval, ValueError)
+        _check_process_group(process_group)
         self.backend: Backend = resolve_backend(backend, device)
         self._process_group = process_group
         super().__init__(
@@ -232,9 +233,9 @@ class GradScaler(torch.amp.GradScaler):
         partials: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             if self._arena is not None:
+                if not allow_fp16 and any(flat.dtype == torch.float16 for flat in self._arena.groups):
+                    raise ValueError(_FP16_PARAMS)  # before any buffer is touched: a refusal changes nothing
                 for flat in self._arena.groups:
-                    if not allow_fp16 and flat.dtype == torch.float16:
-                        raise ValueError(_FP16_PARAMS)
                     inv, partial = self._per_device(flat.device, found, partials, found_inf, inv_scale, norm_sq)
                     be._run_flat(flat, found[flat.device], inv, partial)
             else:
@@ -422,11 +423,15 @@ class GradScaler(torch.amp.GradScaler):
             result = optimizer.step(*args, **kwargs)
             self._steps += 1
             return result
-        if "closure" in kwargs or args:
+        # frameworks pass the closure slot empty, by keyword or by position (Accelerate:
+        # ``scaler.step(optimizer, closure)`` with closure None): only a real closure is refused
+        closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[0] if args else None)
+        if closure is not None or len(args) > 1:
             raise RuntimeError(
                 "check_finite=True checks gradients before optimizer.step(), but a closure would compute "
                 "them inside it: run the closure (forward and backward) before scaler.step(optimizer)."
             )
+        args = ()
         first = next((p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
         if first is None:
             self._last_skipped = False
@@ -457,8 +462,15 @@ class GradScaler(torch.amp.GradScaler):
         checks and sums squares. With a fused optimizer (``AdamW(fused=True)``) the
         gradients are only read: the clip is folded into the optimizer's ``grad_scale``.
         """
-        max_norm = float(max_norm)
-        norm_type = float(norm_type)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"clip_grad_norm_ takes the optimizer whose gradients to clip, got {type(optimizer).__name__}: "
+                "call scaler.clip_grad_norm_(optimizer, max_norm) (the scaler unscales per optimizer)"
+            )
+        max_norm, norm_type = _clip_args(max_norm, norm_type)
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step(): clip between backward and "
+                               "scaler.step(optimizer), before update()")
         arena = flat_grads_of(optimizer)
         # without an arena, the walk (and sparse coalescing) comes first, as torch's recipe has it
         params = _params_with_grads(optimizer) if arena is None else None
@@ -551,11 +563,18 @@ class GradScaler(torch.amp.GradScaler):
                 self._count_on_device("overflows", device_flag)
                 last = self._device_counts.get("last_overflow", torch.full((), -1, dtype=torch.int64, device=scale.device))
                 self._device_counts["last_overflow"] = torch.where(device_flag, torch.full_like(last, index), last)
-                if (index + 1) % _LOW_SCALE_CHECK_EVERY == 0:
+                if index < self._early_scale_checks() or (index + 1) % _LOW_SCALE_CHECK_EVERY == 0:
                     self._warn_if_low(float(scale.item()))
         self._host_found = {}
         self._updates += 1
         self._iteration_open = self._status_overflow = False
+
+    def _early_scale_checks(self) -> int:
+        """Updates after which consecutive overflows could have taken ``init_scale`` below 1, plus
+        one: until then each update reads the scale (one host sync), so a collapse is said when it
+        happens and not at the next periodic check, when the scale may be 1e-19."""
+        halvings = math.log(max(self._init_scale, 1.0)) / -math.log(self._backoff_factor)
+        return int(math.ceil(halvings)) + 2
 
     def _tracker_mirror(self) -> int:
         return self._mirror[1] if self._mirror is not None else self._get_growth_tracker()
@@ -725,6 +744,42 @@ def _dense_grad_holders(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return holders
 
 
+def _check_process_group(group: Any) -> None:
+    """None, ``"world"`` or a ``torch.distributed.ProcessGroup``; anything else fails at the first
+    step, after the gradients were unscaled, so it is refused here."""
+    if group is None or group == "world":
+        return
+    import torch.distributed as dist
+
+    pg = getattr(dist, "ProcessGroup", None)
+    if pg is not None and isinstance(group, pg):
+        return
+    raise TypeError(
+        f"process_group must be None, 'world' (the default group) or a torch.distributed.ProcessGroup "
+        f"(dist.new_group(...)), got {type(group).__name__} {group!r}"
+    )
+
+
+def _as_float(x: Any) -> float:
+    """``float(x)``, with integers too large for a float as the infinity they stand for."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
+def _clip_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
+    """``max_norm`` a number >= 0 (inf: measure, do not clip), ``norm_type`` a number > 0 or inf."""
+    def number(x: Any) -> bool:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+    if not number(max_norm) or math.isnan(_as_float(max_norm)) or _as_float(max_norm) < 0:
+        raise ValueError(f"max_norm must be a number >= 0 (inf measures without clipping), got {max_norm!r}")
+    if not number(norm_type) or math.isnan(_as_float(norm_type)) or _as_float(norm_type) <= 0:
+        raise ValueError(f"norm_type must be a number > 0 or inf (2.0: the Euclidean norm), got {norm_type!r}")
+    return _as_float(max_norm), _as_float(norm_type)
+
+
 def _check_new_scale(new_scale: Any, device: torch.device) -> float | torch.Tensor:
     if isinstance(new_scale, torch.Tensor):
         if new_scale.numel() != 1 or new_scale.requires_grad or not new_scale.is_floating_point():
@@ -732,6 +787,10 @@ def _check_new_scale(new_scale: Any, device: torch.device) -> float | torch.Tens
                 "new_scale must be a positive number or a one-element floating-point tensor that "
                 f"does not require grad, got a tensor of shape {tuple(new_scale.shape)} and dtype {new_scale.dtype}"
             )
+        value = float(new_scale.detach().float().reshape(()).item())  # one host read, on an explicit call only
+        if not (math.isfinite(value) and value > 0 and math.isfinite(_f32(value)) and _f32(value) > 0):
+            raise ValueError(f"new_scale must be finite and > 0 (as a float32), got a tensor holding {value!r}: "
+                             "an inf, NaN, zero or negative scale would skip or corrupt every later step")
         return new_scale.detach().reshape(()).to(device=device, dtype=torch.float32)
     _check_factors(new_scale, 2.0, 0.5, 1, ValueError, what="new_scale")
     return float(new_scale)
@@ -746,7 +805,7 @@ def _check_factors(
     what: str = "scale",
 ) -> None:
     def number(x: Any) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(_as_float(x))
 
     if not number(init_scale) or not float(init_scale) > 0:
         raise error(f"{what} must be a finite number > 0, got {init_scale!r}")
@@ -790,7 +849,10 @@ def validate_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
                 f"GradScaler state_dict[{key!r}] must be {'an int' if kind is int else 'a number'}, "
                 f"got {type(value).__name__} {value!r}"
             )
-        values[key] = kind(value)
+        try:
+            values[key] = kind(value)
+        except OverflowError:
+            raise StateDictError(f"GradScaler state_dict[{key!r}] = {value!r} does not fit a float") from None
     tracker = values["_growth_tracker"]
     if not 0 <= tracker <= _INT32_MAX:
         raise StateDictError(
@@ -800,4 +862,10 @@ def validate_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         values["scale"], values["growth_factor"], values["backoff_factor"], values["growth_interval"],
         lambda msg: StateDictError(f"GradScaler state_dict: {msg}"),
     )
+    if tracker >= values["growth_interval"]:
+        raise StateDictError(
+            f"GradScaler state_dict['_growth_tracker'] is {tracker}, not below growth_interval "
+            f"({values['growth_interval']}): the scale would never grow again. A scaler saves a tracker "
+            "in [0, growth_interval)."
+        )
     return values

@@ -323,3 +323,55 @@ def test_demo_speed_line_says_what_the_measurement_can_show(extra, shown):
     out = format_summary(result)
     assert shown in out
     assert "--no-amp trains faster" not in out and "slows this device down" not in out
+
+def test_concurrent_writers_of_one_checkpoint_never_fail(tmp_path):
+    """Three processes saving to one path 20 times each: every save succeeds (none deletes
+    another's temporary file), and the file left is one whole checkpoint."""
+    target = tmp_path / "shared.ckpt"
+    script = (
+        "import sys, torch\n"
+        "from amp_backends import checkpoint\n"
+        "for i in range(20):\n"
+        f"    checkpoint.save({str(target)!r}, {{'x': torch.full((20000,), float(sys.argv[1]))}}, 't')\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(w)], stderr=subprocess.PIPE, text=True) for w in range(3)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    x = checkpoint.load(target, "t")["x"]
+    assert x.shape == (20000,) and float(x[0]) in (0.0, 1.0, 2.0) and bool((x == x[0]).all())
+    assert not list(tmp_path.glob(".shared.ckpt.*.tmp"))
+
+
+def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
+    target = tmp_path / "c.ckpt"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        live = tmp_path / f".c.ckpt.{checkpoint._HOST}.{other.pid}.abc.tmp"
+        live.write_bytes(b"in progress")
+        foreign = tmp_path / ".c.ckpt.otherhost.1.abc.tmp"
+        foreign.write_bytes(b"another machine's")
+        checkpoint.save(target, {"x": torch.ones(2)}, "t")
+        assert live.exists() and foreign.exists(), "not provably abandoned: kept"
+    finally:
+        other.kill()
+        other.wait()
+    checkpoint.save(target, {"x": torch.ones(2)}, "t")
+    assert not live.exists() and foreign.exists(), "its writer is gone now: removed"
+
+
+@pytest.mark.parametrize("key", ["kind", "format", "version"])
+def test_state_keys_cannot_override_the_checkpoints_metadata(tmp_path, key):
+    target = tmp_path / "c.ckpt"
+    with pytest.raises(checkpoint.CheckpointError, match=f"uses '{key}'"):
+        checkpoint.save(target, {key: "x", "w": torch.ones(1)}, "t")
+    assert not target.exists() and not list(tmp_path.iterdir())
+
+
+def test_saving_through_a_symlink_writes_its_target(tmp_path):
+    real = tmp_path / "store" / "real.ckpt"
+    real.parent.mkdir()
+    link = tmp_path / "latest.ckpt"
+    link.symlink_to(real)
+    checkpoint.save(link, {"x": torch.ones(3)}, "t")
+    assert link.is_symlink() and real.is_file()
+    assert torch.equal(checkpoint.load(link, "t")["x"], torch.ones(3))

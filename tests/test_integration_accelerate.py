@@ -178,3 +178,42 @@ def test_trainer_checkpoint_holds_the_scaler_and_resumes_identically(tmp_path):
     assert resumed.amp_scaler.state_dict() == straight.amp_scaler.state_dict()
     for a, b in zip(resumed_model.parameters(), straight_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_bf16_check_finite_through_accelerates_own_step_call():
+    """Accelerate calls ``scaler.step(optimizer, closure)`` with the closure None, positionally:
+    the unscaled (bf16) scaler with check_finite takes it and still refuses inf steps."""
+    acc = Accelerator(cpu=True)
+    scaler = prepare(acc, "cpu", torch.bfloat16, check_finite=True)
+    assert not scaler.is_enabled()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = acc.prepare(model, opt)
+    skipped = []
+    for step, (x, y) in enumerate(_batches()[:4]):
+        acc.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+        if step == 1:
+            acc.unwrap_model(model)[0].weight.grad[0, 0] = math.inf
+        opt.step()
+        opt.zero_grad()
+        skipped.append(acc.optimizer_step_was_skipped)
+    assert skipped == [False, True, False, False]
+    assert all(torch.isfinite(p).all() for p in acc.unwrap_model(model).parameters())
+
+
+def test_trainer_bf16_with_check_finite(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from amp_backends.integrations.transformers import AmpTrainer
+
+    g = torch.Generator().manual_seed(1)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(1, generator=g)} for _ in range(32)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=4, learning_rate=0.05, optim="sgd",
+        use_cpu=True, report_to="none", save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    model = _Tiny(inject=1)
+    trainer = AmpTrainer(model=model, args=args, train_dataset=data, amp_backend="cpu", amp_dtype=torch.bfloat16,
+                         amp_scaler_kwargs={"check_finite": True})
+    trainer.train()
+    assert trainer.amp_scaler.stats.skipped == 1 and all(torch.isfinite(p).all() for p in model.parameters())

@@ -218,7 +218,18 @@ def test_pickle_round_trip_keeps_settings_and_backend():
     with pytest.raises(AssertionError, match="only be pickled at the beginning"):
         pickle.dumps(scaler)  # mid-iteration, as torch refuses
     with pytest.raises(TypeError, match="process group object cannot be pickled"):
-        pickle.dumps(GradScaler("cpu", process_group=object()))
+        pickle.dumps(GradScaler("cpu", process_group=_a_process_group()))
+
+
+def _a_process_group():
+    """A ProcessGroup object (one rank, never initialised as the default group)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    try:
+        return dist.ProcessGroup(store, 0, 1)
+    except TypeError:  # older torch: the options argument is required
+        return dist.ProcessGroup(store, 0, 1, dist.ProcessGroup.Options(backend="gloo"))
 
 
 # -- clip_grad_norm_ ------------------------------------------------------------------------
@@ -379,15 +390,20 @@ def test_low_scale_warning_fires_with_a_fused_optimizer():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     scaler = GradScaler("cpu", init_scale=8.0)
+    warned_at = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(70):
+        for step in range(70):
             scaler.scale(model(torch.ones(1, 2)).sum() * math.nan).backward()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
+            if warned_at is None and any("loss scale fell" in str(w.message) for w in caught):
+                warned_at = step
     relevant = [w for w in caught if "loss scale fell" in str(w.message)]
     assert len(relevant) == 1 and scaler.stats.overflows == 70 and scaler.stats.skipped == 70
+    assert warned_at == 3, "said when the scale first falls below 1 (8 -> 4 -> 2 -> 1 -> 0.5), not 60 updates later"
+    assert "fell to 0.5 " in str(relevant[0].message)
 
 
 def test_stage_bookkeeping_is_torchs():

@@ -117,6 +117,10 @@ def test_unscale_and_check(backend, value, where):
             pos = {"first": 0, "last": n - 1, "middle": n // 2}[where]
             target[tuple(int(k) for k in torch.unravel_index(torch.tensor(pos), target.shape))] = value
     expected = [(t.cpu().double() * 0.125).to(t.dtype) for t in grads]
+    if value is not None and backend.global_overflow_status:
+        # a device-wide status that says overflow leaves the gradients scaled, as the device's op
+        # does (op-plugin's NPU kernel returns before unscaling); the step is skipped anyway
+        expected = [t.cpu().clone() for t in grads]
     found = torch.zeros((), device=backend.device())
     backend.unscale_and_check_(grads, found, torch.full((), 0.125, device=backend.device()))
     assert found.item() == (0.0 if value is None else 1.0)
