@@ -541,8 +541,9 @@ def probe(backend: Backend) -> str | None:
                     answer.append(f"{cls}.supported_dtypes() returned {dtypes!r}, not a non-empty tuple of torch dtypes")
                 else:
                     answer.append(None)
-            else:
-                reason = backend.unavailable_reason()
+            else:  # the base class's unavailable_reason() would only ask is_available() again
+                own = type(backend).unavailable_reason is not Backend.unavailable_reason
+                reason = backend.unavailable_reason() if own else None
                 answer.append(str(reason) if reason else f"{cls}.is_available() returned False")
         except Exception as exc:  # noqa: BLE001 - a failing probe is a reason, not a crash
             where = "supported_dtypes()" if answer == [] and _raised_in(exc, "supported_dtypes") else "is_available()"

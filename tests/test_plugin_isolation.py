@@ -303,3 +303,20 @@ def test_a_plugin_printing_while_it_loads_keeps_info_json_parseable(tmp_path):
     data = json.loads(proc.stdout)
     assert "acme" in [b["name"] for b in data["backends"]]
     assert "hello from a chatty plugin" in proc.stderr and "registering" in proc.stderr
+
+
+def test_an_unavailable_backend_is_asked_once_per_probe(tmp_path):
+    """A slow is_available() that answers False costs its time once per question, not twice."""
+    source = PROBE_SOURCE.replace("NAME", "slowno").replace(
+        "BODY", "type(self).calls = getattr(type(self), 'calls', 0) + 1; return False")
+    root = write_distribution(tmp_path / "s", "slowno-amp", "slowno_amp", source, {"slowno": "slowno_amp"})
+    out = run_json("""
+    import json, amp_backends
+    try:
+        amp_backends.get("slowno")
+    except amp_backends.BackendUnavailableError as e:
+        err = str(e)
+    be = [b for b, _ in amp_backends.registry.default_registry().backends() if b.name == "slowno"][0]
+    print(json.dumps({"err": err, "calls": type(be).calls}))
+    """, [root])
+    assert out["calls"] == 1 and "is_available() returned False" in out["err"]
