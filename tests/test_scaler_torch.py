@@ -4,6 +4,7 @@ pass-itself tests, on CPU), the members frameworks call, and the adversarial cas
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import pickle
@@ -217,19 +218,29 @@ def test_pickle_round_trip_keeps_settings_and_backend():
     scaler.unscale_(opt)
     with pytest.raises(AssertionError, match="only be pickled at the beginning"):
         pickle.dumps(scaler)  # mid-iteration, as torch refuses
-    with pytest.raises(TypeError, match="process group object cannot be pickled"):
-        pickle.dumps(GradScaler("cpu", process_group=_a_process_group()))
+    with _a_process_group() as group, pytest.raises(TypeError, match="process group object cannot be pickled"):
+        pickle.dumps(GradScaler("cpu", process_group=group))
 
 
+@contextlib.contextmanager
 def _a_process_group():
-    """A ProcessGroup object (one rank, never initialised as the default group)."""
+    """A real ProcessGroup object of one rank: built directly where this torch allows it, else
+    the default group of a one-process Gloo world, torn down afterwards."""
     import torch.distributed as dist
 
-    store = dist.HashStore()
+    for make in (lambda: dist.ProcessGroup(dist.HashStore(), 0, 1),
+                 lambda: dist.ProcessGroup(dist.HashStore(), 0, 1, dist.ProcessGroup.Options(backend="gloo"))):
+        try:
+            group = make()
+        except (TypeError, RuntimeError, AttributeError):
+            continue
+        yield group
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        return dist.ProcessGroup(store, 0, 1)
-    except TypeError:  # older torch: the options argument is required
-        return dist.ProcessGroup(store, 0, 1, dist.ProcessGroup.Options(backend="gloo"))
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 # -- clip_grad_norm_ ------------------------------------------------------------------------
