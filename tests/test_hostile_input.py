@@ -22,6 +22,13 @@ CLEAR = (TypeError, ValueError, RuntimeError, AmpBackendsError)
 RAW = ("unhashable", "object has no attribute", "'NoneType' object", "can't multiply", "not supported between")
 
 
+class _Opaque:
+    """An object of no numeric kind (its repr is stable: test ids must match across xdist workers)."""
+
+    def __repr__(self) -> str:
+        return "<opaque>"
+
+
 def _setup(enabled: bool = True):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -95,7 +102,7 @@ def test_enabled_must_be_a_bool_everywhere(enabled):
     assert "enabled must be True or False" in _refused(lambda: GradScaler("cpu", enabled=enabled))
 
 
-@pytest.mark.parametrize("group", ["wrld", 123, object()])
+@pytest.mark.parametrize("group", ["wrld", 123, _Opaque()])
 def test_process_group_is_checked_when_the_scaler_is_built(group):
     assert "process_group must be None, 'world'" in _refused(lambda: GradScaler("cpu", process_group=group))
 
@@ -148,7 +155,7 @@ def test_an_arena_refusing_fp16_parameters_touches_no_buffer():
 
 
 # -- generated: every argument against a pool of hostile values ------------------------------
-HOSTILE_NUMBERS = [math.nan, math.inf, -math.inf, -1.0, 0.0, 10**400, True, "2", None, [2.0], object()]
+HOSTILE_NUMBERS = [math.nan, math.inf, -math.inf, -1.0, 0.0, 10**400, True, "2", None, [2.0], _Opaque()]
 HOSTILE_INTS = [0, -1, 2**31, 2.5, math.nan, "3", None, True, 10**30]
 HOSTILE_TENSORS = [torch.tensor([1.0, 2.0]), torch.tensor(2, dtype=torch.int64), torch.tensor(math.nan),
                    torch.tensor(-1.0), torch.tensor(0.0), torch.tensor(2.0, requires_grad=True), torch.tensor(math.inf)]
