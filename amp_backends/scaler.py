@@ -114,6 +114,8 @@ class GradScaler(torch.amp.GradScaler):
     _iteration_open = False
     #: a device-wide overflow status seen this iteration (shared by every optimizer of it)
     _status_overflow = False
+    #: the scale's last non-blocking copy to host memory, and the event that says it arrived
+    _scale_copy: tuple[torch.Tensor, Any] | None = None
 
     def __init__(
         self,
@@ -563,18 +565,35 @@ class GradScaler(torch.amp.GradScaler):
                 self._count_on_device("overflows", device_flag)
                 last = self._device_counts.get("last_overflow", torch.full((), -1, dtype=torch.int64, device=scale.device))
                 self._device_counts["last_overflow"] = torch.where(device_flag, torch.full_like(last, index), last)
-                if index < self._early_scale_checks() or (index + 1) % _LOW_SCALE_CHECK_EVERY == 0:
-                    self._warn_if_low(float(scale.item()))
+                self._watch_scale(scale, index)
         self._host_found = {}
         self._updates += 1
         self._iteration_open = self._status_overflow = False
 
-    def _early_scale_checks(self) -> int:
-        """Updates after which consecutive overflows could have taken ``init_scale`` below 1, plus
-        one: until then each update reads the scale (one host sync), so a collapse is said when it
-        happens and not at the next periodic check, when the scale may be 1e-19."""
-        halvings = math.log(max(self._init_scale, 1.0)) / -math.log(self._backoff_factor)
-        return int(math.ceil(halvings)) + 2
+    def _watch_scale(self, scale: torch.Tensor, index: int) -> None:
+        """With the overflow flags on the device (fused optimizers), notice a collapsing scale
+        without a host sync: each update starts a non-blocking copy of the scale to host memory,
+        and the next update reads it if it has arrived (CPU and CUDA; within one update of the
+        collapse). Other devices read the scale every ``_LOW_SCALE_CHECK_EVERY`` updates."""
+        if scale.device.type not in ("cpu", "cuda"):
+            if (index + 1) % _LOW_SCALE_CHECK_EVERY == 0:
+                self._warn_if_low(float(scale.item()))
+            return
+        pending = self._scale_copy
+        if pending is not None and not self._warned_low_scale:
+            host, event = pending
+            if event is None or event.query():
+                self._warn_if_low(float(host.numpy().reshape(-1)[0]))  # host memory: no device sync
+        if self._warned_low_scale:
+            self._scale_copy = None
+            return
+        host = torch.empty((), dtype=torch.float32, pin_memory=scale.is_cuda)
+        host.copy_(scale.detach().reshape(()), non_blocking=True)
+        event = None
+        if scale.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._scale_copy = (host, event)
 
     def _tracker_mirror(self) -> int:
         return self._mirror[1] if self._mirror is not None else self._get_growth_tracker()
@@ -680,6 +699,7 @@ class GradScaler(torch.amp.GradScaler):
         state = super().__getstate__()
         state["backend"] = self.backend.name  # resolved again from the registry on load
         state["_arena"] = None
+        state["_scale_copy"] = None  # a pending copy of the scale (and a CUDA event) stays behind
         state["_mirror"] = (_f32(state["_init_scale"]), state["_init_growth_tracker"]) if self._enabled else None
         return state
 
