@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ALIGN_BYTES", "CHECKS", "FlatGrads", "FlatGroup", "flat_grads", "flat_grads_of"]
+__all__ = ["ALIGN_BYTES", "CHECKS", "FlatGrads", "FlatGroup", "flat_grads", "flat_grads_of", "layout"]
 
 #: Every gradient starts at a multiple of this many bytes from its buffer's start (128-bit loads).
 ALIGN_BYTES = 16
@@ -311,6 +311,16 @@ def _aligned(n: int, itemsize: int) -> int:
     return -(-n // step) * step
 
 
+def layout(numels: Sequence[int], itemsize: int) -> tuple[list[int], int]:
+    """Where each of ``numels`` elements starts in a flat buffer (every start 16-byte aligned),
+    and the buffer's length."""
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total = _aligned(total + n, itemsize)
+    return offsets, total
+
+
 def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
     keyed: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     seen: set[int] = set()
@@ -330,10 +340,7 @@ def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
         keyed.setdefault((p.device, p.dtype), []).append(p)
     for (device, dtype), members in keyed.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
-        offsets, total = [], 0
-        for p in members:
-            offsets.append(total)
-            total = _aligned(total + p.numel(), itemsize)
+        offsets, total = layout([p.numel() for p in members], itemsize)
         buffer = torch.zeros(max(total, 1), dtype=dtype, device=device)
         if buffer.data_ptr() % ALIGN_BYTES:  # every allocator here aligns far more; refuse rather than guess
             raise RuntimeError(f"flat_grads(): the {device} allocator returned a buffer not {ALIGN_BYTES}-byte aligned")

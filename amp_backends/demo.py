@@ -111,6 +111,8 @@ def measure_amp_speed(be: Backend, dtype: torch.dtype, x: torch.Tensor, y: torch
     then ``rounds`` interleaved rounds of ``steps`` steps. Returns the median per-round speed
     ratio (> 1: AMP is faster), its interquartile range, both step times, whether both are too
     short to show the device's arithmetic (``host_bound``), and the verdict that follows."""
+    import statistics
+
     from .bench import HOST_BOUND_MS, _quartiles, verdict
 
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -142,7 +144,7 @@ def measure_amp_speed(be: Backend, dtype: torch.dtype, x: torch.Tensor, y: torch
             be.synchronize()
             times[amp].append((time.perf_counter() - t0) / steps)
     low, mid, high = _quartiles([f / a for f, a in zip(times[False], times[True])])
-    fp32_ms, amp_ms = (1e3 * sorted(times[k])[len(times[k]) // 2] for k in (False, True))
+    fp32_ms, amp_ms = (1e3 * statistics.median(times[k]) for k in (False, True))
     host_bound = max(fp32_ms, amp_ms) < HOST_BOUND_MS  # both short: launches and host work decide
     return {"speedup": mid, "iqr": [low, high], "fp32_step_ms": fp32_ms, "amp_step_ms": amp_ms, "host_bound": host_bound,
             "verdict": "not measurable" if host_bound else verdict(low, high)}
@@ -325,7 +327,7 @@ def format_summary(result: dict[str, Any]) -> str:
     if result["host_bound"]:
         # a step of a few ms is launches and host work: no statement about the device's arithmetic
         speed_line = (f"AMP vs fp32 here   not measurable on this model: a step takes "
-                      f"{result['fp32_step_ms']:.1f} ms in fp32, {result.get('amp_step_ms', 0.0):.1f} ms with AMP, too "
+                      f"{result['fp32_step_ms']:.1f} ms in fp32, {result['amp_step_ms']:.1f} ms with AMP, too "
                       f"short for the device's arithmetic to decide it (amp-backends bench measures real-size models)")
     else:
         speed_line = (f"AMP vs fp32 here   {result['amp_speedup']:.2f}x [{low:.2f}-{high:.2f} over rounds] "

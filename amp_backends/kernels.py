@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .arena import FlatGroup
+    from .arena import FlatGroup, layout
 
 __all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL", "add_sum_of_squares", "kernel_self_check", "through_float32"]
 
@@ -173,7 +173,7 @@ def _expected(values: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 def _long_and_flat_problem(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> str | None:
     """Gradients longer than any block, an inf or NaN only at their very end, per tensor and
     on an arena's flat buffer (``flat_op_``): found, and clean values unscaled exactly."""
-    from .arena import FlatGroup
+    from .arena import FlatGroup, layout
 
     name = str(dtype).replace("torch.", "")
     inv = torch.full((), 0.5, dtype=torch.float32, device=device)
@@ -192,11 +192,7 @@ def _long_and_flat_problem(kernel: Kernel, device: torch.device, dtype: torch.dt
             return f"unscaled {name} values of a {_LONG}-element gradient differ from torch's"
         # the arena's flat buffer: views 16-byte aligned, zero gaps between them
         sizes = (5, 37, _LONG)
-        step = max(16 // torch.empty((), dtype=dtype).element_size(), 1)
-        offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total = -(-(total + n) // step) * step
+        offsets, total = layout(sizes, torch.empty((), dtype=dtype).element_size())
         buffer = torch.zeros(total, dtype=dtype, device=device)
         params = []
         for off, n in zip(offsets, sizes):
@@ -220,40 +216,42 @@ def _long_and_flat_problem(kernel: Kernel, device: torch.device, dtype: torch.dt
 
 def _self_check_problem(kernel: Kernel, device: torch.device) -> str | None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        if dtype == torch.bfloat16:  # bf16 gradients reach a kernel that takes them (a bf16 model)
-            problem = _long_and_flat_problem(kernel, device, dtype)
-            if problem:
-                return problem
-            continue
-        base = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.0, -0.75, 6.0, 1.0], dtype=dtype)
-        inv = torch.full((), 0.5, dtype=torch.float32, device=device)
-        for bad in (None, float("inf"), float("nan")):
-            grads = [base.clone().to(device), base[:5].clone().to(device)]
-            if bad is not None:
-                grads[1][2] = bad
-            reference = [g.clone() for g in grads]
-            found, ref_found = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
-            kernel.unscale_and_check_(grads, found, inv)
-            torch._amp_foreach_non_finite_check_and_unscale_(reference, ref_found, inv)
-            if bool(found.item()) != (bad is not None):
-                return f"{'missed an' if bad is not None else 'reported an'} inf/NaN in {dtype} gradients"
-            if bad is None and not all(torch.equal(a, b) for a, b in zip(grads, reference)):
-                return f"unscaled {dtype} values differ from torch's"
-            untouched = [g.clone() for g in grads]
-            found.zero_()
-            kernel.check_(grads, found)
-            if bool(found.item()) != (bad is not None):
-                return f"its read-only check {'missed' if bad is not None else 'invented'} an inf/NaN"
-            if not all(torch.equal(a, b) or (a.isnan().any() and b.isnan().any()) for a, b in zip(grads, untouched)):
-                return "its read-only check wrote the gradients"
-        grads = [base.clone().to(device)]
-        norm_sq = torch.zeros((), dtype=torch.float32, device=device)
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        kernel.unscale_check_norm_(grads, found, inv, norm_sq)
-        expected = float((base.double() * 0.5).pow(2).sum())
-        if abs(float(norm_sq.item()) - expected) > 1e-3 * expected:
-            return f"sum of squares {float(norm_sq.item()):g} where {expected:g} is right"
-        problem = _long_and_flat_problem(kernel, device, dtype)
+        # bf16 gradients reach a kernel that takes them (a bf16 model): the long and flat checks
+        small = _small_problem(kernel, device, dtype) if dtype != torch.bfloat16 else None
+        problem = small or _long_and_flat_problem(kernel, device, dtype)
         if problem:
             return problem
+    return None
+
+
+def _small_problem(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Two short gradients against torch's own op: unscale, the read-only check, the norm."""
+    base = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.0, -0.75, 6.0, 1.0], dtype=dtype)
+    inv = torch.full((), 0.5, dtype=torch.float32, device=device)
+    for bad in (None, float("inf"), float("nan")):
+        grads = [base.clone().to(device), base[:5].clone().to(device)]
+        if bad is not None:
+            grads[1][2] = bad
+        reference = [g.clone() for g in grads]
+        found, ref_found = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
+        kernel.unscale_and_check_(grads, found, inv)
+        torch._amp_foreach_non_finite_check_and_unscale_(reference, ref_found, inv)
+        if bool(found.item()) != (bad is not None):
+            return f"{'missed an' if bad is not None else 'reported an'} inf/NaN in {dtype} gradients"
+        if bad is None and not all(torch.equal(a, b) for a, b in zip(grads, reference)):
+            return f"unscaled {dtype} values differ from torch's"
+        untouched = [g.clone() for g in grads]
+        found.zero_()
+        kernel.check_(grads, found)
+        if bool(found.item()) != (bad is not None):
+            return f"its read-only check {'missed' if bad is not None else 'invented'} an inf/NaN"
+        if not all(torch.equal(a, b) or (a.isnan().any() and b.isnan().any()) for a, b in zip(grads, untouched)):
+            return "its read-only check wrote the gradients"
+    grads = [base.clone().to(device)]
+    norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    kernel.unscale_check_norm_(grads, found, inv, norm_sq)
+    expected = float((base.double() * 0.5).pow(2).sum())
+    if abs(float(norm_sq.item()) - expected) > 1e-3 * expected:
+        return f"sum of squares {float(norm_sq.item()):g} where {expected:g} is right"
     return None

@@ -531,12 +531,14 @@ def probe(backend: Backend) -> str | None:
     answer: list[str | None] = []
 
     def ask() -> None:
+        asking = "is_available()"
         try:
             ok = backend.is_available()
             if not isinstance(ok, bool):
                 answer.append(f"{cls}.is_available() returned {type(ok).__name__} {ok!r}, not True or False")
             elif ok:
-                dtypes = backend.supported_dtypes()  # what get()'s callers use next: broken means unusable
+                asking = "supported_dtypes()"  # what get()'s callers use next: broken means unusable
+                dtypes = backend.supported_dtypes()
                 if not isinstance(dtypes, tuple) or not dtypes or not all(isinstance(d, torch.dtype) for d in dtypes):
                     answer.append(f"{cls}.supported_dtypes() returned {dtypes!r}, not a non-empty tuple of torch dtypes")
                 else:
@@ -546,8 +548,7 @@ def probe(backend: Backend) -> str | None:
                 reason = backend.unavailable_reason() if own else None
                 answer.append(str(reason) if reason else f"{cls}.is_available() returned False")
         except Exception as exc:  # noqa: BLE001 - a failing probe is a reason, not a crash
-            where = "supported_dtypes()" if answer == [] and _raised_in(exc, "supported_dtypes") else "is_available()"
-            answer.append(f"{cls}.{where} raised {type(exc).__name__}: {exc}")
+            answer.append(f"{cls}.{asking} raised {type(exc).__name__}: {exc}")
 
     timeout = probe_timeout()
     thread = threading.Thread(target=ask, name=f"amp-backends probe {backend.name}", daemon=True)
@@ -566,16 +567,6 @@ def _exit_error(exc: SystemExit, where: str) -> RuntimeError:
     error = RuntimeError(f"the plugin called sys.exit({exc.code!r}) {where}")
     error.__traceback__ = exc.__traceback__
     return error
-
-
-def _raised_in(exc: BaseException, function: str) -> bool:
-    """Whether ``exc`` came out of a frame of a function called ``function``."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == function:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def _safe_available(backend: Backend) -> bool:

@@ -248,16 +248,16 @@ class GradScaler(torch.amp.GradScaler):
                 for partial in partials.values():
                     norm_sq.add_(partial.to(norm_sq.device))
             if be.global_overflow_status and found:
-                self._share_status(found, norm_sq)
+                self._share_status(found)  # (a clip's norm is made inf by _inf_when_scale_underflowed)
             elif self._process_group is not None:
                 import torch.distributed as dist
 
-                pg = None if self._process_group == "world" else self._process_group
+                pg = self._named_group()
                 for tensor in found.values():
                     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=pg)
         return found
 
-    def _share_status(self, found: dict[torch.device, torch.Tensor], norm_sq: torch.Tensor | None) -> None:
+    def _share_status(self, found: dict[torch.device, torch.Tensor]) -> None:
         """A device-wide overflow status holds for the whole iteration, as torch_npu's
         ``_has_overflow`` does: reading it resets the register, so what one optimizer's op read is
         kept for every later optimizer of the iteration, and agreed on across ranks (the status is
@@ -277,15 +277,17 @@ class GradScaler(torch.amp.GradScaler):
         if overflow:
             for t in found.values():
                 t.fill_(1.0)
-            if norm_sq is not None:
-                norm_sq.fill_(math.inf)
+
+    def _named_group(self) -> Any:
+        """The ``process_group`` given, as torch.distributed takes it (``"world"``: None)."""
+        return None if self._process_group == "world" else self._process_group
 
     def _status_group(self) -> Any:
         """The process group a device-wide overflow status is agreed over: the scaler's
         ``process_group``, else the default group when one is initialised (torch_npu's rule),
         else False (one process)."""
         if self._process_group is not None:
-            return None if self._process_group == "world" else self._process_group
+            return self._named_group()
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -788,16 +790,19 @@ def _as_float(x: Any) -> float:
         return math.inf if x > 0 else -math.inf
 
 
+def _real(x: Any) -> float:
+    """``x`` as a float if it is a real number (not a bool), else NaN."""
+    return _as_float(x) if isinstance(x, numbers.Real) and not isinstance(x, bool) else math.nan
+
+
 def _clip_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
     """``max_norm`` a number >= 0 (inf: measure, do not clip), ``norm_type`` a number > 0 or inf."""
-    def number(x: Any) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-    if not number(max_norm) or math.isnan(_as_float(max_norm)) or _as_float(max_norm) < 0:
+    norm, kind = _real(max_norm), _real(norm_type)
+    if not norm >= 0:  # NaN fails too
         raise ValueError(f"max_norm must be a number >= 0 (inf measures without clipping), got {max_norm!r}")
-    if not number(norm_type) or math.isnan(_as_float(norm_type)) or _as_float(norm_type) <= 0:
+    if not kind > 0:
         raise ValueError(f"norm_type must be a number > 0 or inf (2.0: the Euclidean norm), got {norm_type!r}")
-    return _as_float(max_norm), _as_float(norm_type)
+    return norm, kind
 
 
 def _check_new_scale(new_scale: Any, device: torch.device) -> float | torch.Tensor:
@@ -825,7 +830,7 @@ def _check_factors(
     what: str = "scale",
 ) -> None:
     def number(x: Any) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(_as_float(x))
+        return math.isfinite(_real(x))
 
     if not number(init_scale) or not float(init_scale) > 0:
         raise error(f"{what} must be a finite number > 0, got {init_scale!r}")

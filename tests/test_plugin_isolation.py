@@ -205,17 +205,23 @@ def test_a_hanging_probe_is_bounded_and_asked_once(tmp_path):
     assert out["seconds"] < 10 and time.perf_counter() - start < 60, "one wait of 1 s, not one per question"
 
 
-def test_a_probe_must_answer_a_bool(tmp_path):
-    source = PROBE_SOURCE.replace("NAME", "vague").replace("BODY", "return 'no'")
-    root = write_distribution(tmp_path / "v", "vague-amp", "vague_amp", source, {"vague": "vague_amp"})
-    out = run_json("""
+def _probe(tmp_path, name: str, body: str, then: str, env: dict | None = None) -> dict:
+    """Install a plugin whose backend ``name`` answers is_available() with ``body``, ask for it in a
+    fresh interpreter, and return what ``then`` (a json.dumps expression over ``err``) prints."""
+    source = PROBE_SOURCE.replace("NAME", name).replace("BODY", body)
+    root = write_distribution(tmp_path / name, f"{name}-amp", f"{name}_amp", source, {name: f"{name}_amp"})
+    return run_json(f"""
     import json, amp_backends
     try:
-        amp_backends.get("vague")
+        amp_backends.get({name!r})
     except amp_backends.BackendUnavailableError as e:
         err = str(e)
-    print(json.dumps({"best": amp_backends.get().name, "err": err}))
-    """, [root], cpu_only_env())
+    print(json.dumps({then}))
+    """, [root], env)
+
+
+def test_a_probe_must_answer_a_bool(tmp_path):
+    out = _probe(tmp_path, "vague", "return 'no'", '{"best": amp_backends.get().name, "err": err}', cpu_only_env())
     assert out["best"] == "cpu" and "is_available() returned str 'no', not True or False" in out["err"]
 
 
@@ -307,16 +313,7 @@ def test_a_plugin_printing_while_it_loads_keeps_info_json_parseable(tmp_path):
 
 def test_an_unavailable_backend_is_asked_once_per_probe(tmp_path):
     """A slow is_available() that answers False costs its time once per question, not twice."""
-    source = PROBE_SOURCE.replace("NAME", "slowno").replace(
-        "BODY", "type(self).calls = getattr(type(self), 'calls', 0) + 1; return False")
-    root = write_distribution(tmp_path / "s", "slowno-amp", "slowno_amp", source, {"slowno": "slowno_amp"})
-    out = run_json("""
-    import json, amp_backends
-    try:
-        amp_backends.get("slowno")
-    except amp_backends.BackendUnavailableError as e:
-        err = str(e)
-    be = [b for b, _ in amp_backends.registry.default_registry().backends() if b.name == "slowno"][0]
-    print(json.dumps({"err": err, "calls": type(be).calls}))
-    """, [root])
+    out = _probe(tmp_path, "slowno", "type(self).calls = getattr(type(self), 'calls', 0) + 1; return False",
+                 '{"err": err, "calls": [type(b).calls for b, _ in amp_backends.registry.default_registry().backends()'
+                 ' if b.name == "slowno"][0]}')
     assert out["calls"] == 1 and "is_available() returned False" in out["err"]
