@@ -44,54 +44,19 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
 import torch
 
+from .flat import ALIGN_BYTES, FlatGroup, layout, views_of
+
 __all__ = ["ALIGN_BYTES", "CHECKS", "FlatGrads", "FlatGroup", "flat_grads", "flat_grads_of", "layout"]
 
-#: Every gradient starts at a multiple of this many bytes from its buffer's start (128-bit loads).
-ALIGN_BYTES = 16
 _ATTR = "_amp_backends_flat_grads"
 #: How the arena confirms the gradients are in place (see the module docstring).
 CHECKS = ("identity", "refcount")
 _grad_of = operator.attrgetter("grad")
-
-
-@dataclass(eq=False)
-class FlatGroup:
-    """The gradients of one (device, dtype): ``params[i].grad`` is a view of
-    ``buffer[offsets[i]:offsets[i] + numels[i]]``; the gaps between views stay zero."""
-
-    device: torch.device
-    dtype: torch.dtype
-    buffer: torch.Tensor
-    params: tuple[torch.Tensor, ...]
-    offsets: tuple[int, ...]
-    numels: tuple[int, ...]
-    shapes: tuple[torch.Size, ...]
-    #: Kernels keep what they derive from the layout here (Triton: its block table), built once.
-    cache: dict[Any, Any] = field(default_factory=dict)
-
-    def views(self) -> list[torch.Tensor]:
-        """The gradients, in slot order (the views while the arena is attached)."""
-        return list(map(_grad_of, self.params))
-
-    def clear_gaps_(self) -> None:
-        """Zero the alignment gaps between views, for an op that reads the whole buffer.
-
-        They are zero unless a multiply by inf or NaN (an unscale at scale 0, a clip by a NaN
-        norm) reached them and no ``optimizer.zero_grad()`` came since; one small op."""
-        gaps = self.cache.get("gaps")
-        if gaps is None:
-            ends = [o + n for o, n in zip(self.offsets, self.numels)]
-            starts = list(self.offsets[1:]) + [self.buffer.numel()]
-            index = [i for e, s in zip(ends, starts) for i in range(e, s)]
-            gaps = self.cache["gaps"] = torch.tensor(index, dtype=torch.int64, device=self.device)
-        if gaps.numel():
-            self.buffer.index_fill_(0, gaps, 0)
 
 
 class FlatGrads:
@@ -240,7 +205,7 @@ class FlatGrads:
         self._missing = len(self._got)
         if not healthy:
             for group in self.groups:
-                for p, view in zip(group.params, _views(group.buffer, group.offsets, group.shapes)):
+                for p, view in zip(group.params, views_of(group.buffer, group.offsets, group.shapes)):
                     p.grad = view
             self._index()
 
@@ -306,21 +271,6 @@ def _structure(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int], ...]:
     return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
 
 
-def _aligned(n: int, itemsize: int) -> int:
-    step = max(ALIGN_BYTES // itemsize, 1)
-    return -(-n // step) * step
-
-
-def layout(numels: Sequence[int], itemsize: int) -> tuple[list[int], int]:
-    """Where each of ``numels`` elements starts in a flat buffer (every start 16-byte aligned),
-    and the buffer's length."""
-    offsets, total = [], 0
-    for n in numels:
-        offsets.append(total)
-        total = _aligned(total + n, itemsize)
-    return offsets, total
-
-
 def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
     keyed: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     seen: set[int] = set()
@@ -344,7 +294,7 @@ def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
         buffer = torch.zeros(max(total, 1), dtype=dtype, device=device)
         if buffer.data_ptr() % ALIGN_BYTES:  # every allocator here aligns far more; refuse rather than guess
             raise RuntimeError(f"flat_grads(): the {device} allocator returned a buffer not {ALIGN_BYTES}-byte aligned")
-        views = list(_views(buffer, offsets, [p.shape for p in members]))
+        views = list(views_of(buffer, offsets, [p.shape for p in members]))
         with torch.no_grad():
             for p, view in zip(members, views):
                 if p.grad is not None:
@@ -354,11 +304,6 @@ def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
         del views  # held by ``p.grad`` alone
         yield FlatGroup(device, dtype, buffer, tuple(members), tuple(offsets),
                         tuple(p.numel() for p in members), tuple(p.shape for p in members))
-
-
-def _views(buffer: torch.Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]) -> Iterator[torch.Tensor]:
-    for off, shape in zip(offsets, shapes):
-        yield buffer[off:off + shape.numel()].view(shape)
 
 
 def _slot_ptr(group: FlatGroup, k: int) -> int:

@@ -5,19 +5,31 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import accelerator
 from .errors import PerformanceWarning, UnsupportedDtypeError
-from .kernels import Kernel, add_sum_of_squares
+from .kernels import TORCH_KERNEL, Kernel, add_sum_of_squares
 
 if TYPE_CHECKING:
-    from .arena import FlatGroup
-    from .scaler import GradScaler
+    from .flat import FlatGroup
 
-__all__ = ["Backend", "group_by_device_and_dtype"]
+__all__ = ["Backend", "group_by_device_and_dtype", "provide"]
+
+#: What the layers above lend this one, so that it imports neither: "grad_scaler" (from
+#: amp_backends.scaler: backend, needs_scaling, kwargs -> GradScaler) and "kernel" (from
+#: amp_backends.registry: backend -> Kernel). Each is set once, when that module is imported.
+_PROVIDED: dict[str, Callable[..., Any]] = {}
+
+
+def provide(what: str, factory: Callable[..., Any]) -> None:
+    """Lend this layer a factory from a layer above (``"grad_scaler"`` or ``"kernel"``)."""
+    if what not in ("grad_scaler", "kernel"):
+        raise ValueError(f"provide({what!r}): only 'grad_scaler' and 'kernel' are provided from above")
+    _PROVIDED[what] = factory
 
 #: (backend name, dtype) pairs already warned about: once per process each.
 _WARNED_EMULATED: set[tuple[str, torch.dtype]] = set()
@@ -81,6 +93,10 @@ class Backend:
     #: for every optimizer of the iteration and agrees on it across ranks. Implement
     #: :meth:`clear_overflow_status` and :meth:`read_overflow_status_`.
     global_overflow_status: bool = False
+    #: False where the device's fused optimizers (``Adam(fused=True)``) ignore the ``found_inf``
+    #: they are handed (MPS before pytorch PR 186360): the scaler then unscales and skips such
+    #: optimizers from the host, as it does every other optimizer.
+    fused_steps_honour_found_inf: bool = True
     #: The torch release the device extension was built for, e.g. ``"2.4.0"``; ``info`` warns on
     #: a mismatch with the running torch.
     built_for_torch: str | None = None
@@ -104,6 +120,10 @@ class Backend:
         if self.is_available():
             return None
         return f"{type(self).__name__}.is_available() returned False"
+
+    def describe(self) -> str | None:
+        """What the device is, in one line for ``info`` (model, runtime version), or None."""
+        return None
 
     # -- dtypes and autocast ----------------------------------------------------------
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -195,29 +215,25 @@ class Backend:
             cache_enabled=cache_enabled,
         )
 
-    def grad_scaler(self, dtype: torch.dtype | str | None = None, **kwargs: Any) -> GradScaler:
+    def grad_scaler(self, dtype: torch.dtype | str | None = None, **kwargs: Any) -> torch.amp.GradScaler:
         """A GradScaler for training under ``autocast(dtype)``.
 
         It scales when the dtype is float16; for bfloat16 it is free (no scaling, no
         unscale pass) and, with ``check_finite=True``, still refuses non-finite steps.
         """
-        from .scaler import GradScaler, _flag
-
         needs_scaling = self.resolve_dtype(dtype) == torch.float16
-        kwargs["enabled"] = _flag("enabled", kwargs.get("enabled", True)) and needs_scaling
-        return GradScaler(self, **kwargs)
+        return _PROVIDED["grad_scaler"](self, needs_scaling, kwargs)
 
     # -- gradient ops -----------------------------------------------------------------
     @property
     def kernel(self) -> Kernel:
         """The kernel this backend's gradient ops run on (``AMP_BACKENDS_KERNEL`` forces one)."""
         if self._kernel is None:
-            from .registry import kernel_for
-
-            self._kernel = kernel_for(self)
+            choose = _PROVIDED.get("kernel")
+            self._kernel = TORCH_KERNEL if choose is None else choose(self)
         return self._kernel
 
-    def on_scale(self, scaler: GradScaler) -> None:
+    def on_scale(self, scaler: torch.amp.GradScaler) -> None:
         """Run by the first ``GradScaler.scale()`` of an iteration (after construction or
         ``update()``), before any backward of it; clears the overflow status where the device
         keeps one (:attr:`global_overflow_status`). Later ``scale()`` calls of the same iteration
@@ -329,21 +345,28 @@ class Backend:
         return getattr(torch, self.device_type, None)
 
     def synchronize(self) -> None:
-        """Wait for all queued work on the device."""
+        """Wait for all queued work on the device (its module's call, else ``torch.accelerator``)."""
         sync = getattr(self._device_module(), "synchronize", None)
         if callable(sync):
             sync()
+        else:
+            accelerator.synchronize(self.device_type)
 
     def max_memory_allocated(self) -> int | None:
         """Peak bytes allocated since the last reset, or None where the device does not track it."""
         query = getattr(self._device_module(), "max_memory_allocated", None)
-        return int(query()) if callable(query) else None
+        if callable(query):
+            return int(query())
+        found, value = accelerator.memory_call(self.device_type, "max_memory_allocated")
+        return int(value) if found else None  # type: ignore[call-overload]
 
     def reset_peak_memory_stats(self) -> None:
         """Start a new peak-memory measurement, where the device tracks one."""
         reset = getattr(self._device_module(), "reset_peak_memory_stats", None)
         if callable(reset):
             reset()
+        else:
+            accelerator.memory_call(self.device_type, "reset_peak_memory_stats")
 
     def __repr__(self) -> str:
         return (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from .registry import get
 
 __all__ = ["DistInfo", "init_process_group", "destroy_process_group"]
 
+#: How long destroy_process_group leaves Gloo's worker threads to release finished work.
+_SETTLE_S = 0.2
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -53,6 +56,11 @@ def init_process_group(backend: str | Backend | None = None, **kwargs: Any) -> D
     and place this rank on its local device. Extra keyword arguments go to
     ``torch.distributed.init_process_group``."""
     be = backend if isinstance(backend, Backend) else get(backend)
+    if not be.dist_backend:
+        raise AmpBackendsError(
+            f"backend {be.name!r} has no torch.distributed process-group backend for {be.device_type!r} tensors: "
+            "train on one device, or pass backend='cpu' to run the ranks on CPUs"
+        )
     missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
     if missing:
         raise AmpBackendsError(
@@ -81,8 +89,14 @@ def destroy_process_group() -> None:
     (DDP and autograd keep it in reference cycles) can abort the process during
     shutdown ("terminate called without an active exception"); collecting it here,
     while Python is fully alive, joins its threads cleanly.
+
+    With torch 2.4 and Gloo, a worker thread still releasing a finished collective's tensors
+    when the group is destroyed waits for the GIL that the destroying thread holds while it
+    joins that worker: the process hangs. The pause after the barrier (the GIL released) lets
+    the workers finish first.
     """
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+        time.sleep(_SETTLE_S)
         dist.destroy_process_group()
         gc.collect()

@@ -26,6 +26,15 @@ from .backend import Backend
 __all__ = ["ExtensionBackend"]
 
 
+def _find_spec(name: str) -> object | None:
+    """``importlib.util.find_spec``, None also where a parent package is missing
+    (``habana_frameworks.torch`` without ``habana_frameworks``)."""
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
 class ExtensionBackend(Backend):
     """A device registered by a PyTorch extension as PrivateUse1 (``torch.<device_type>``)."""
 
@@ -48,7 +57,7 @@ class ExtensionBackend(Backend):
         """``torch.<device_type>`` after importing the extension, or None (the reason kept)."""
         if not self._imported:
             self._imported = True
-            if importlib.util.find_spec(self.extension) is None:
+            if _find_spec(self.extension) is None:
                 self._import_error = f"{self.extension} is not installed: {self.install_hint}"
             else:
                 try:

@@ -14,7 +14,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def amp_backends_register_backends(register: Callable[..., None]) -> None:
-    """Register backends: call ``register(backend, override=False)`` once per Backend instance."""
+    """Register backends: call ``register(backend, override=False, fallback=False)`` once per Backend instance."""
 
 
 @hookspec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -16,9 +17,9 @@ def _installed(backend: Any, reason: str | None) -> bool:
     usually fails to import: the mismatch is the likely cause). Else: whether it is available."""
     extension = getattr(backend, "extension", None)
     if extension:
-        import importlib.util
+        from .extension import _find_spec
 
-        return importlib.util.find_spec(extension) is not None
+        return _find_spec(extension) is not None
     return reason is None
 
 
@@ -48,6 +49,10 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
         rejected = registry.kernel_rejections(backend.device_type)
         if rejected and kernel_error is None:
             kernel_error = "; ".join(rejected)
+        try:
+            described = backend.describe() if reason is None or getattr(backend, "generic", False) else None
+        except Exception as exc:  # noqa: BLE001 - a description is never worth a crash
+            described = f"(describe() failed: {type(exc).__name__}: {exc})"
         built = backend.built_for_torch
         mismatch = None
         if built and built.split("+")[0] != torch.__version__.split("+")[0] and _installed(backend, reason):
@@ -61,6 +66,8 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
                 "available": reason is None,
                 "reason": reason,
                 "device_type": backend.device_type,
+                "device": described,
+                "generic": bool(getattr(backend, "generic", False)),
                 "default_dtype": _dtype(backend.default_dtype),
                 "supported_dtypes": dtypes,
                 "native_dtypes": native_names,
@@ -85,7 +92,9 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
     best: str | None = None
     env_error: str | None = None
     try:
-        best = registry.get().name
+        with warnings.catch_warnings():  # an unusable accelerator's reason is in the table already
+            warnings.filterwarnings("ignore", message="torch reports a usable", category=RuntimeWarning)
+            best = registry.get().name
     except Exception as exc:  # noqa: BLE001
         chosen = os.environ.get("AMP_BACKEND", "").strip()
         if chosen and chosen.lower() != "auto":
@@ -121,11 +130,15 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
             ",".join(b["native_dtypes"]) or "none",
             b["kernel"],
             b["dist_backend"],
-            f"{b['package']} {b['version']}" + ("" if b["builtin"] else " (third-party)"),
+            f"{b['package']} {b['version']}" + ("" if b["builtin"] else " (third-party)")
+            + (" (generic)" if b["generic"] else ""),
         ]
         for b in data["backends"]
     ]
     out.append(render_table(["backend", "available", "device", "default", "dtypes", "native", "kernel", "dist", "package"], rows))
+    devices = [b for b in data["backends"] if b["device"]]
+    if devices:
+        out += ["", "Devices:"] + [f"  {b['name']}: {b['device']}" for b in devices]
     slow = [(b["name"], d, why) for b in data["backends"] if b["available"] for d, why in b["emulated_dtypes"].items()]
     if slow:
         out += ["", "Emulated (slower than float32 here):"] + [f"  {n} {d}: {why}" for n, d, why in slow]

@@ -8,12 +8,10 @@ A :class:`Kernel` works on one list of gradients that share a device and a dtype
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .arena import FlatGroup, layout
+from .flat import FlatGroup, layout
 
 __all__ = ["Kernel", "TorchKernel", "TORCH_KERNEL", "add_sum_of_squares", "kernel_self_check", "through_float32"]
 
@@ -103,7 +101,7 @@ class Kernel:
         inv_scale: torch.Tensor | None,
         norm_sq: torch.Tensor | None,
     ) -> None:
-        """The ops on one arena group (:class:`~amp_backends.arena.FlatGroup`): unscale and check
+        """The ops on one arena group (:class:`~amp_backends.flat.FlatGroup`): unscale and check
         (``inv_scale`` set) or check only, adding the fp32 sum of squares to ``norm_sq`` if given.
 
         The default runs this kernel's own op once on the whole buffer (its zero gaps change
@@ -173,7 +171,6 @@ def _expected(values: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 def _long_and_flat_problem(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> str | None:
     """Gradients longer than any block, an inf or NaN only at their very end, per tensor and
     on an arena's flat buffer (``flat_op_``): found, and clean values unscaled exactly."""
-    from .arena import FlatGroup, layout
 
     name = str(dtype).replace("torch.", "")
     inv = torch.full((), 0.5, dtype=torch.float32, device=device)

@@ -28,7 +28,8 @@ import pluggy
 import torch
 
 from . import hookspecs
-from .backend import Backend
+from .accelerator import available_accelerator_type
+from .backend import Backend, provide
 from .errors import (
     AmpBackendsError,
     BackendUnavailableError,
@@ -117,6 +118,8 @@ class Registry:
         self._backends: dict[str, tuple[Backend, PluginRecord, bool]] = {}
         self._duplicates: dict[str, list[PluginRecord]] = {}
         self._kernels: dict[str, tuple[Kernel, PluginRecord]] = {}
+        #: backends registered with fallback=True: kept only while no other backend serves their device type
+        self._fallbacks: list[tuple[Backend, PluginRecord]] = []
         #: third-party registrations under a built-in's name: (name, plugin, overrides?)
         self._shadowing: list[tuple[str, PluginRecord, bool]] = []
         self._kernel_rejections: dict[tuple[str, str], str] = {}
@@ -248,26 +251,58 @@ class Registry:
                 except Exception as exc:  # noqa: BLE001
                     self._fail(record, exc)
                     self._drop(record)
+        self._settle_fallbacks()
+
+    def _settle_fallbacks(self) -> None:
+        """Keep a fallback backend (the generic one on torch.accelerator) only where no other
+        backend serves its device type or takes its name."""
+        fallbacks = {id(b) for b, _ in self._fallbacks}
+        for backend, record in self._fallbacks:
+            key = backend.name.lower()
+            claimed = key in self._duplicates or any(
+                id(b) not in fallbacks and (b.device_type == backend.device_type or k == key)
+                for k, (b, _, _) in self._backends.items()
+            )
+            if claimed:
+                if self._backends.get(key, (None,))[0] is backend:
+                    del self._backends[key]
+                if key in record.backends:
+                    record.backends.remove(key)
+            elif key not in self._backends:
+                self._backends[key] = (backend, record, False)
+                record.backends.append(key)
 
     def _drop(self, record: PluginRecord) -> None:
+        self._fallbacks = [(b, r) for b, r in self._fallbacks if r is not record]
         for key in [k for k, (_, rec, _) in self._backends.items() if rec is record]:
             del self._backends[key]
         for key in [k for k, (_, rec) in self._kernels.items() if rec is record]:
             del self._kernels[key]
         self._pm.unregister(name=record.name)
 
-    def _add_backend(self, record: PluginRecord, backend: Backend, override: bool = False) -> None:
+    def _add_backend(self, record: PluginRecord, backend: Backend, override: bool = False,
+                     fallback: bool = False) -> None:
         if not isinstance(backend, Backend):
             raise TypeError(
                 f"register() takes an amp_backends.Backend instance, got {type(backend).__name__}"
             )
         _check_backend_fields(backend)
+        if fallback:
+            if override:
+                raise ValueError("register(backend, override=True, fallback=True): a fallback never overrides; "
+                                 "pass one of them")
+            self._fallbacks.append((backend, record))  # placed by _settle_fallbacks, after every plugin
+            return
         key = backend.name.lower()
         record.backends.append(key)
         if key in self._duplicates:
             self._duplicates[key].append(record)
             return
         existing = self._backends.get(key)
+        if existing is not None and any(existing[0] is b for b, _ in self._fallbacks):
+            del self._backends[key]  # a fallback yields to any backend of its name
+            existing[1].backends.remove(key)
+            existing = None
         if existing is not None and existing[1].builtin and not record.builtin:
             self._shadowing.append((key, record, override))
             if not override:
@@ -337,7 +372,10 @@ class Registry:
                 raise BackendUnavailableError(f"no backend is available ({reasons or 'none registered'})")
             best = usable[0].lower()
             self._warn_shadowing(best)
-            return self._backends[best][0]
+            chosen_backend = self._backends[best][0]
+            if chosen_backend.device_type == "cpu":
+                self._warn_unused_accelerator()
+            return chosen_backend
         if not isinstance(name, str):
             raise TypeError(f"backend name must be a string, got {type(name).__name__}")
         key = name.strip().lower()
@@ -352,6 +390,28 @@ class Registry:
             raise BackendUnavailableError(f"backend {backend.name!r} is not available: {reason}")
         self._warn_shadowing(key)
         return backend
+
+    def _warn_unused_accelerator(self) -> None:
+        """Never cpu silently: when torch reports a usable accelerator that no backend can serve,
+        say why once (unless its plugin was switched off on purpose)."""
+        device_type = available_accelerator_type()
+        key = f"accelerator:{device_type}"
+        if device_type in (None, "cpu") or key in self._warned:
+            return
+        serving = [b for _, (b, _, _) in sorted(self._backends.items()) if b.device_type == device_type]
+        if serving:
+            why = "; ".join(f"backend {b.name!r}: {probe(b)}" for b in serving)
+        elif any(r.status == "disabled" for r in self._records.values()):
+            return  # AMP_BACKENDS_DISABLE_PLUGINS / AMP_BACKENDS_PLUGINS chose this
+        else:
+            why = "no registered backend serves it"
+        self._warned.add(key)
+        warnings.warn(
+            f"torch reports a usable {device_type!r} accelerator, but amp_backends trains on cpu: {why}. "
+            "Run `amp-backends info` for details, or pass a backend name to get().",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def shadowing(self) -> list[tuple[str, PluginRecord, bool]]:
         """Third-party registrations under a built-in backend's name: (name, plugin, whether it overrides)."""
@@ -679,3 +739,6 @@ def reload() -> None:
 def kernel_for(backend: Backend) -> Kernel:
     """The kernel ``backend`` uses (``AMP_BACKENDS_KERNEL`` forces one)."""
     return _DEFAULT.kernel_for(backend)
+
+
+provide("kernel", kernel_for)  # Backend.kernel asks the registry without importing it

@@ -30,7 +30,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from .arena import FlatGrads, flat_grads_of
-from .backend import group_by_device_and_dtype
+from .backend import group_by_device_and_dtype, provide
 from .errors import StateDictError
 
 if TYPE_CHECKING:
@@ -379,7 +379,9 @@ class GradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return self._step_unscaled(optimizer, *args, **kwargs)
-        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if not self._fused(optimizer):
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                return self._unfused_step(optimizer, *args, **kwargs)
             return super().step(optimizer, *args, **kwargs)
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
             result = super().step(optimizer, *args, **kwargs)  # the optimizer calls _check_inf_per_device
@@ -394,6 +396,28 @@ class GradScaler(torch.amp.GradScaler):
             self._count_on_device("skipped", flag)
         else:  # no parameter had a gradient: nothing stepped, nothing skipped
             self._last_skipped = False
+        return result
+
+    def _fused(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` gets ``grad_scale``/``found_inf`` and skips on the device: it
+        supports AMP scaling, and the backend's fused steps honour found_inf."""
+        return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and self.backend.fused_steps_honour_found_inf
+
+    def _unfused_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """A fused optimizer on a device whose fused steps ignore found_inf: unscaled here and
+        skipped from the host, as any other optimizer (torch's path for those)."""
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if not state["found_inf_per_device"]:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        result = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+        state["stage"] = OptState.STEPPED
         return result
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -479,7 +503,7 @@ class GradScaler(torch.amp.GradScaler):
         # without an arena, the walk (and sparse coalescing) comes first, as torch's recipe has it
         params = _params_with_grads(optimizer) if arena is None else None
         stage = self._per_optimizer_states[id(optimizer)]["stage"] if self._enabled else OptState.UNSCALED
-        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        fused = self._fused(optimizer)
         one_pass = norm_type == 2.0 and (fused or self.backend.kernel.one_pass_norm)
         if stage is not OptState.READY or not one_pass:
             if stage is OptState.READY:
@@ -894,3 +918,12 @@ def validate_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             "in [0, growth_interval)."
         )
     return values
+
+
+def _for_backend(backend: Backend, needs_scaling: bool, kwargs: dict[str, Any]) -> GradScaler:
+    """``Backend.grad_scaler``: scaling on where the dtype needs it and the caller allows it."""
+    kwargs["enabled"] = _flag("enabled", kwargs.get("enabled", True)) and needs_scaling
+    return GradScaler(backend, **kwargs)
+
+
+provide("grad_scaler", _for_backend)  # Backend.grad_scaler builds this class without importing it

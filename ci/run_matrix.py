@@ -41,7 +41,8 @@ def entry_env(entry: dict) -> dict[str, str]:
     if entry.get("simulated"):
         from amp_backends.testing import sim_packages_path
 
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(sim_packages_path(entry["name"])), env.get("PYTHONPATH")]))
+        folder = sim_packages_path(entry.get("sim_packages", entry["name"]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
     env.update({k: str(v) for k, v in entry.get("env", {}).items()})  # e.g. which chip a simulation imitates
     return env
 

@@ -39,13 +39,15 @@ _VISIBILITY = ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_D
 
 def cpu_only_env() -> dict[str, str]:
     """Environment for a subprocess that must see no accelerator backend (only cpu and what the
-    test installs): the accelerators this machine has are switched off with the project's own
-    ``AMP_BACKENDS_DISABLE_PLUGINS`` (their entry points are named as their backends). On a GPU
+    test installs): the plugins serving the accelerators this machine has are switched off with the
+    project's own ``AMP_BACKENDS_DISABLE_PLUGINS`` (the generic plugin too, for an unclaimed device). On a GPU
     machine, or in CI's accelerator-first leg, ``amp_backends.get()`` would otherwise pick them."""
     import amp_backends
 
-    others = [name for name in amp_backends.available() if name != "cpu"]
-    return {"AMP_BACKENDS_DISABLE_PLUGINS": ",".join(others)} if others else {}
+    others = {name for name in amp_backends.available() if name != "cpu"}
+    registry = amp_backends.registry.default_registry()
+    plugins = sorted({record.name for backend, record in registry.backends() if backend.name in others})
+    return {"AMP_BACKENDS_DISABLE_PLUGINS": ",".join(plugins)} if plugins else {}
 
 
 def run_python(code: str, paths: list[Path] = (), env: dict[str, str] | None = None, timeout: int = 240):

@@ -34,7 +34,7 @@ def main() -> None:
         x, y = x.to(dev), y.to(dev)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         scaler = amp_backends.GradScaler(be, init_scale=2.0**8)
-        record = []
+        record, reduced = [], []
         for step in range(4):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
@@ -45,6 +45,7 @@ def main() -> None:
                 g = p.grad.cpu() / 2
                 dist.all_reduce(g)
                 p.grad.copy_(g.to(dev))
+                reduced.append(g)  # alive until the group is gone: Gloo's threads then never need the GIL
             scaler.step(opt)
             scaler.update()
             record.append({"skipped": scaler.last_step_skipped, "scale": scaler.get_scale()})

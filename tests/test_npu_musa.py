@@ -137,7 +137,7 @@ def test_not_installed_says_so_and_nothing_is_imported(name, module):
 
 
 @needs_sim_device
-@pytest.mark.parametrize(("name", "module"), sorted(SIMULATED.items()))
+@pytest.mark.parametrize(("name", "module"), sorted((n, m) for n, m in SIMULATED.items() if n != "generic"))
 def test_extension_imported_only_when_asked_for(name, module):
     out = run_json(
         f"""

@@ -1,5 +1,6 @@
 """Testing support: the simulated PrivateUse1 device, simulated torch_mlu, torch_npu and
-torch_musa, and the backend conformance suite (a pytest plugin, inert unless
+torch_musa, a simulated extension no plugin claims (torch_sim: the generic backend's device),
+and the backend conformance suite (a pytest plugin, inert unless
 ``--amp-backend`` is given)."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-#: The simulated extensions, by backend name.
-SIMULATED = {"mlu": "torch_mlu", "npu": "torch_npu", "musa": "torch_musa"}
+#: The simulated extensions, by backend name ("generic": the device "sim", which no plugin claims).
+SIMULATED = {"mlu": "torch_mlu", "npu": "torch_npu", "musa": "torch_musa", "generic": "torch_sim"}
 
 
 def sim_packages_path(backend: str = "mlu") -> Path:

@@ -25,7 +25,10 @@ def test_dtypes(backend):
     supported = backend.supported_dtypes()
     assert supported and supported[0] == backend.default_dtype
     assert set(supported) <= {torch.float16, torch.bfloat16}
-    assert isinstance(backend.dist_backend, str) and backend.dist_backend
+    assert isinstance(backend.dist_backend, str)
+    if not backend.dist_backend:  # no collectives for the device (mps): refused with the reason
+        with pytest.raises(amp_backends.AmpBackendsError, match="no torch.distributed process-group backend"):
+            amp_backends.distributed.init_process_group(backend)
     assert backend.device().type == backend.device_type
 
 
@@ -171,3 +174,73 @@ def test_scale_runs_the_backends_hook(backend):
     scaler = amp_backends.GradScaler(backend, init_scale=4.0)
     out = scaler.scale(torch.ones((), device=backend.device()))
     assert out.item() == 4.0
+
+
+# -- device-bug guards: what must hold whatever the device's kernels do -----------------------
+#: Finite values across float16's range (normal, tiny, large); each stays finite and non-zero
+#: when halved, in float16 and in bfloat16.
+_SPREAD = [1.0, -3.5, 0.15625, 2.0**-13, -6.0e-4, 3.0e4, -6.0e4, 1024.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_unscale_never_zeroes_finite_low_precision_gradients(backend, dtype):
+    """Unscaling float16/bfloat16 gradients gives torch's CPU result (the product in float32, cast
+    back), never zeros (an MPS unscale once zeroed them: pytorch PR 184286)."""
+    if backend.global_overflow_status:
+        backend.clear_overflow_status()
+    dev = backend.device()
+    ref = torch.tensor(_SPREAD, dtype=dtype)
+    grads = [ref.clone().to(dev), ref[:5].clone().to(dev)]
+    found = torch.zeros((), device=dev)
+    backend.unscale_and_check_(grads, found, torch.full((), 0.5, device=dev))
+    expected = (ref.float() * 0.5).to(dtype)
+    assert found.item() == 0.0
+    assert torch.equal(grads[0].cpu(), expected), f"{dtype}: {grads[0].cpu().tolist()} != {expected.tolist()}"
+    assert torch.equal(grads[1].cpu(), expected[:5])
+    assert bool((grads[0].cpu() != 0).all()), "a finite non-zero gradient became zero"
+
+
+def _fused_adam(params):
+    try:
+        return torch.optim.Adam(params, lr=0.1, fused=True)
+    except (RuntimeError, ValueError) as exc:
+        pytest.skip(f"no fused Adam on this device: {exc}")
+
+
+def test_fused_optimizer_honours_found_inf(backend):
+    """A fused optimizer handed found_inf = 1 leaves the parameters alone (MPS's fused Adam once
+    ignored it: pytorch PR 186360), where the backend declares so; and through the scaler a step
+    with an inf gradient is skipped with any fused optimizer, declared or not."""
+    dev = backend.device()
+    if backend.fused_steps_honour_found_inf:
+        p = torch.ones(4, device=dev, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        opt = _fused_adam([p])
+        opt.grad_scale = torch.ones((), device=dev)
+        opt.found_inf = torch.ones((), device=dev)
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            pytest.skip(f"no fused Adam kernel on this device: {exc}")
+        assert torch.equal(p.detach().cpu(), torch.ones(4)), (
+            "the device's fused Adam stepped although found_inf was set: declare "
+            "fused_steps_honour_found_inf = False on the backend")
+    model = torch.nn.Linear(4, 2).to(dev)
+    opt = _fused_adam(model.parameters())
+    scaler = amp_backends.GradScaler(backend, init_scale=2.0**8)
+    before = [q.detach().cpu().clone() for q in model.parameters()]
+    for step, poison in enumerate((True, False)):
+        opt.zero_grad()
+        loss = model(torch.ones(3, 4, device=dev)).float().sum()
+        if poison:
+            loss = loss * torch.full((), math.inf, device=dev)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        after = [q.detach().cpu() for q in model.parameters()]
+        if poison:
+            assert scaler.last_step_skipped, "the step with an inf gradient was not skipped"
+            assert all(torch.equal(a, b) for a, b in zip(after, before)), "parameters moved on a skipped step"
+        else:
+            assert not scaler.last_step_skipped
+            assert not all(torch.equal(a, b) for a, b in zip(after, before)), "a clean step changed nothing"

@@ -1,4 +1,10 @@
-"""CUDA backend (NVIDIA, and AMD through ROCm builds of torch): fp16 by default, bf16 where supported, NCCL."""
+"""CUDA backend (NVIDIA, and AMD through ROCm builds of torch): fp16 by default, bf16 where supported, NCCL.
+
+On ROCm builds of torch the device type is ``cuda`` too (``torch.version.hip`` is set): ``info``
+names the ROCm release and the GPU architecture (``gcnArchName``), bf16 is judged native by AMD
+architecture, and RCCL serves the "nccl" process-group backend. A Triton kernel is adopted on
+ROCm only after the same self-check as on NVIDIA (the registry runs it for every device).
+"""
 
 from __future__ import annotations
 
@@ -28,8 +34,8 @@ class CUDABackend(Backend):
     def unavailable_reason(self) -> str | None:
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
             return (
-                f"torch was built without CUDA (torch {torch.__version__} is a CPU build); "
-                "install a CUDA build of torch to use NVIDIA GPUs"
+                f"torch was built without CUDA or ROCm (torch {torch.__version__}); "
+                "install a CUDA build of torch for NVIDIA GPUs, or a ROCm build for AMD GPUs"
             )
         try:
             count = torch.cuda.device_count()
@@ -54,14 +60,59 @@ class CUDABackend(Backend):
 
     def native_dtypes(self) -> tuple[torch.dtype, ...]:
         supported = self.supported_dtypes()
-        if torch.bfloat16 not in supported or getattr(torch.version, "hip", None):
+        if torch.bfloat16 not in supported:
             return supported
+        if rocm_version() is not None:  # AMD: by architecture, not by NVIDIA compute capability
+            return supported if amd_bf16_native(gcn_arch()) else (torch.float16,)
         major, _ = torch.cuda.get_device_capability()
         return supported if major >= 8 else (torch.float16,)  # bf16 tensor cores from Ampere (8.0)
 
     def emulation_reason(self, dtype: torch.dtype) -> str:
+        if rocm_version() is not None:
+            return (f"{torch.cuda.get_device_name()} ({gcn_arch() or 'unknown architecture'}) has no bf16 matrix "
+                    "cores (gfx90a / MI200 and newer have)")
         major, minor = torch.cuda.get_device_capability()
         return f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no bf16 tensor cores (8.0+)"
+
+    def describe(self) -> str | None:
+        """"NVIDIA H100 (CUDA 12.8, compute capability 9.0)" or "AMD Instinct MI300X (ROCm 6.2, gfx942)"."""
+        if not self.is_available():
+            return None
+        name = torch.cuda.get_device_name()
+        hip = rocm_version()
+        if hip is not None:
+            return f"{name} (ROCm {hip}, {gcn_arch() or 'unknown architecture'})"
+        major, minor = torch.cuda.get_device_capability()
+        return f"{name} (CUDA {torch.version.cuda}, compute capability {major}.{minor})"
+
+
+def rocm_version() -> str | None:
+    """The ROCm release of a ROCm build of torch ("6.2"), None on CUDA builds."""
+    hip = getattr(torch.version, "hip", None)
+    return ".".join(str(hip).split(".")[:2]) if hip else None
+
+
+def gcn_arch(index: int | None = None) -> str | None:
+    """The AMD GPU's architecture ("gfx942"), without target features (":sramecc+:xnack-")."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
+    arch = getattr(props, "gcnArchName", None)
+    return str(arch).split(":")[0] if arch else None
+
+
+def amd_bf16_native(arch: str | None) -> bool:
+    """bf16 matrix math at full rate: CDNA 2 (gfx90a, MI200) and newer (gfx94x MI300, gfx95x MI350),
+    and RDNA 3/4 (gfx11xx, gfx12xx, WMMA). Not gfx906/gfx908 (MI50/MI100) nor RDNA 1/2 (gfx10xx)."""
+    if not arch or not arch.startswith("gfx"):
+        return False
+    digits = arch[3:]
+    if digits[:2] in ("11", "12"):
+        return True
+    if len(digits) == 3 and digits[0] == "9":
+        try:
+            return int(digits[1:], 16) >= 0x0A  # gfx90a, gfx940-942, gfx950 ...
+        except ValueError:
+            return False
+    return False
 
 
 @hookimpl

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from amp_backends import Kernel, hookimpl
-from amp_backends.arena import FlatGroup
+from amp_backends.flat import FlatGroup
 from amp_backends.kernels import TORCH_KERNEL
 
 #: Device types Triton compiles for.

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from amp_backends.arena import FlatGroup
+from amp_backends.flat import FlatGroup
 from amp_backends.kernels import TORCH_KERNEL, add_sum_of_squares, through_float32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,75 @@
+"""The flat gradient buffer a kernel works on: :class:`FlatGroup` and its layout.
+
+The data type shared by the arena (:mod:`amp_backends.arena`, which builds groups) and the
+kernels (which run on them); it depends on nothing else of the package.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ALIGN_BYTES", "FlatGroup", "layout", "views_of"]
+
+#: Every gradient starts at a multiple of this many bytes from its buffer's start (128-bit loads).
+ALIGN_BYTES = 16
+_grad_of = operator.attrgetter("grad")
+
+
+@dataclass(eq=False)
+class FlatGroup:
+    """The gradients of one (device, dtype): ``params[i].grad`` is a view of
+    ``buffer[offsets[i]:offsets[i] + numels[i]]``; the gaps between views stay zero."""
+
+    device: torch.device
+    dtype: torch.dtype
+    buffer: torch.Tensor
+    params: tuple[torch.Tensor, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    shapes: tuple[torch.Size, ...]
+    #: Kernels keep what they derive from the layout here (Triton: its block table), built once.
+    cache: dict[Any, Any] = field(default_factory=dict)
+
+    def views(self) -> list[torch.Tensor]:
+        """The gradients, in slot order (the views while the arena is attached)."""
+        return list(map(_grad_of, self.params))
+
+    def clear_gaps_(self) -> None:
+        """Zero the alignment gaps between views, for an op that reads the whole buffer.
+
+        They are zero unless a multiply by inf or NaN (an unscale at scale 0, a clip by a NaN
+        norm) reached them and no ``optimizer.zero_grad()`` came since; one small op."""
+        gaps = self.cache.get("gaps")
+        if gaps is None:
+            ends = [o + n for o, n in zip(self.offsets, self.numels)]
+            starts = list(self.offsets[1:]) + [self.buffer.numel()]
+            index = [i for e, s in zip(ends, starts) for i in range(e, s)]
+            gaps = self.cache["gaps"] = torch.tensor(index, dtype=torch.int64, device=self.device)
+        if gaps.numel():
+            self.buffer.index_fill_(0, gaps, 0)
+
+
+def _aligned(n: int, itemsize: int) -> int:
+    step = max(ALIGN_BYTES // itemsize, 1)
+    return -(-n // step) * step
+
+
+def layout(numels: Sequence[int], itemsize: int) -> tuple[list[int], int]:
+    """Where each of ``numels`` elements starts in a flat buffer (every start 16-byte aligned),
+    and the buffer's length."""
+    offsets, total = [], 0
+    for n in numels:
+        offsets.append(total)
+        total = _aligned(total + n, itemsize)
+    return offsets, total
+
+
+def views_of(buffer: torch.Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]) -> Iterator[torch.Tensor]:
+    """Views of ``buffer`` at ``offsets`` with ``shapes``."""
+    for off, shape in zip(offsets, shapes):
+        yield buffer[off:off + shape.numel()].view(shape)

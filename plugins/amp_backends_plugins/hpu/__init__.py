@@ -1,0 +1,58 @@
+"""Intel Gaudi backend (``hpu``, through ``habana_frameworks.torch``): bf16 autocast by default, so
+the scaler is off unless float16 is asked for (Gaudi 2 and later), HCCL process groups.
+
+Checked against Intel Gaudi's PyTorch docs and the frameworks that drive it: importing
+``habana_frameworks.torch`` registers ``torch.hpu`` (``is_available``, ``device_count``,
+``get_device_name``: "GAUDI", "GAUDI2", "GAUDI3"); torch's ``autocast_mode.py`` accepts bfloat16
+and float16 for hpu; Accelerate (``accelerator.py``: bf16 always on hpu) and DeepSpeed
+(``accelerator/hpu_accelerator.py``: ``communication_backend_name`` "hccl", fp16 from Gaudi 2)
+agree on the rest. First-generation Gaudi has no float16 math; no Gaudi has float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from amp_backends import hookimpl
+from amp_backends.extension import ExtensionBackend
+
+__all__ = ["HPUBackend"]
+
+
+class HPUBackend(ExtensionBackend):
+    """Mixed precision on Intel Gaudi through ``torch.autocast("hpu")``."""
+
+    name = "hpu"
+    device_type = "hpu"
+    default_dtype = torch.bfloat16  # Gaudi's native dtype: no loss scaling by default
+    dist_backend = "hccl"
+    priority = 100
+    has_fp64 = False
+    extension = "habana_frameworks.torch"
+    install_hint = "install the Intel Gaudi software stack (habana-torch-plugin, matching this torch)"
+    visible_devices = ("HABANA_VISIBLE_MODULES", "HABANA_VISIBLE_DEVICES")
+    device_tool = "hl-smi"
+
+    def _generation(self, module: Any) -> str:
+        name = getattr(module, "get_device_name", None)
+        return str(name()).upper() if callable(name) else "GAUDI"
+
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        """bf16 on every Gaudi; fp16 from Gaudi 2 on."""
+        module = self._load()
+        if module is None or self.unavailable_reason() is not None:
+            return (torch.bfloat16,)
+        return (torch.bfloat16,) if self._generation(module) == "GAUDI" else (torch.bfloat16, torch.float16)
+
+    def describe(self) -> str | None:
+        module = self._load()
+        if module is None or self.unavailable_reason() is not None:
+            return None
+        return f"Intel {self._generation(module).title().replace('Gaudi', 'Gaudi ').strip()} ({module.device_count()} device(s))"
+
+
+@hookimpl
+def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+    register(HPUBackend())

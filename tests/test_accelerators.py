@@ -1,0 +1,359 @@
+"""The xpu, mps and hpu backends and ROCm inside the cuda backend, without the hardware.
+
+No machine here has an Intel GPU, an Apple GPU, an Intel Gaudi or an AMD GPU. What is patched,
+plainly: the device queries torch (or habana_frameworks) would answer on such a machine
+(``torch.xpu.*``, ``torch.backends.mps.is_built/is_available``, the macOS release, ``torch.hpu``,
+``torch.version.hip`` and ``torch.cuda``'s device queries). What is real: the backends' code,
+the registry choosing among them, torch's autocast accepting each device's dtypes, the scaler.
+Unpatched, each backend must say why it is unavailable here (or work, where the device exists).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import amp_backends
+from amp_backends import BackendUnavailableError, UnsupportedDtypeError
+from amp_backends_plugins import cuda as cuda_plugin
+from amp_backends_plugins import hpu as hpu_plugin
+from amp_backends_plugins import mps as mps_plugin
+from amp_backends_plugins import xpu as xpu_plugin
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """The default registry rebuilt under the test's patches, and rebuilt again after them."""
+    for var in ("AMP_BACKEND", "AMP_BACKENDS_DISABLE_PLUGINS", "AMP_BACKENDS_PLUGINS"):
+        monkeypatch.delenv(var, raising=False)
+    amp_backends.reload()
+    yield
+    monkeypatch.undo()
+    amp_backends.reload()
+
+
+def _others_off(monkeypatch, keep: str) -> None:
+    """Switch off the accelerators this machine really has, so the patched one is the only one."""
+    real = [n for n in amp_backends.available() if n not in ("cpu", keep)]
+    registry = amp_backends.registry.default_registry()
+    plugins = sorted({r.name for b, r in registry.backends() if b.name in real})
+    if plugins:
+        monkeypatch.setenv("AMP_BACKENDS_DISABLE_PLUGINS", ",".join(plugins))
+    amp_backends.reload()
+
+
+# -- xpu ----------------------------------------------------------------------------------------
+def _patch_xpu(monkeypatch, *, fp64: bool = True, bf16_native: bool = True, xccl: bool = True,
+               name: str = "Intel(R) Data Center GPU Max 1550") -> None:
+    xpu = torch.xpu
+    monkeypatch.setattr(xpu, "_is_compiled", lambda: True, raising=False)
+    monkeypatch.setattr(xpu, "is_available", lambda: True)
+    monkeypatch.setattr(xpu, "device_count", lambda: 2)
+    monkeypatch.setattr(xpu, "current_device", lambda: 0)
+    monkeypatch.setattr(xpu, "get_device_name", lambda device=None: name)
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return True if including_emulation else bf16_native
+
+    monkeypatch.setattr(xpu, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(xpu, "get_device_properties", lambda device=None: types.SimpleNamespace(has_fp64=fp64))
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_xccl_available", lambda: xccl, raising=False)
+
+
+def test_xpu_unavailable_here_says_why(fresh_registry):
+    be = xpu_plugin.XPUBackend()
+    reason = be.unavailable_reason()
+    if torch.xpu.is_available():  # a machine with an Intel GPU: then it must work
+        assert reason is None
+        return
+    assert reason and ("not built for XPU" in reason or "no Intel GPU visible" in reason)
+    with pytest.raises(BackendUnavailableError, match="backend 'xpu' is not available"):
+        amp_backends.get("xpu")
+
+
+@pytest.mark.filterwarnings("ignore:kernel 'triton'")  # its self-check cannot run on a patched device
+def test_xpu_is_chosen_where_torch_reports_it(monkeypatch, fresh_registry):
+    _patch_xpu(monkeypatch)
+    _others_off(monkeypatch, "xpu")
+    be = amp_backends.get()
+    assert be.name == "xpu" and be.device_type == "xpu", "never cpu silently on an Intel GPU"
+    assert be.supported_dtypes() == (torch.float16, torch.bfloat16)
+    assert be.native_dtypes() == (torch.float16, torch.bfloat16)
+    assert be.has_fp64 is True and be.dist_backend == "xccl"
+    assert be.autocast(torch.bfloat16).fast_dtype == torch.bfloat16  # torch's autocast takes it for xpu
+    scaler = be.grad_scaler()
+    assert scaler.is_enabled() and scaler.backend is be
+    from amp_backends import info
+
+    row = next(r for r in info.collect()["backends"] if r["name"] == "xpu")
+    assert row["available"] and row["device"] == "Intel(R) Data Center GPU Max 1550 (torch.xpu, 2 device(s))"
+
+
+def test_xpu_arc_without_float64_uses_the_float32_inverse_scale(monkeypatch, fresh_registry):
+    _patch_xpu(monkeypatch, fp64=False, bf16_native=False, xccl=False, name="Intel(R) Arc(TM) A770 Graphics")
+    be = xpu_plugin.XPUBackend()
+    assert be.has_fp64 is False
+    assert be.native_dtypes() == (torch.float16,), "bf16 emulated where the device says so"
+    assert "is_bf16_supported(including_emulation=False)" in be.emulation_reason(torch.bfloat16)
+    assert "no float64" in be.describe()
+    monkeypatch.setattr(xpu_plugin.importlib.util, "find_spec",
+                        lambda name: object() if name == "oneccl_bindings_for_pytorch" else None)
+    assert be.dist_backend == "ccl", "oneCCL's bindings where torch has no XCCL"
+    scale = torch.full((), 2.0**16)
+    inv = amp_backends.GradScaler(be, init_scale=2.0**16)._inv_scale(scale)
+    assert inv.dtype == torch.float32 and inv.item() == 2.0**-16
+
+
+# -- mps ----------------------------------------------------------------------------------------
+def _patch_mps(monkeypatch, *, macos=(14, 5), torch_version=(2, 13), unscale_ok=True, fused_ok=True) -> None:
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(mps_plugin, "_macos", lambda: macos)
+    monkeypatch.setattr(mps_plugin, "_torch_version", lambda: torch_version)
+    monkeypatch.setattr(mps_plugin, "_unscale_keeps_values", lambda device: unscale_ok)
+    monkeypatch.setattr(mps_plugin, "_fused_adam_skips", lambda device: fused_ok)
+
+
+needs_mps_autocast = pytest.mark.skipif(
+    not torch.amp.is_autocast_available("mps"), reason=f"torch {torch.__version__} has no mps autocast (2.5+)"
+)
+
+
+def test_mps_unavailable_here_says_why(fresh_registry):
+    reason = mps_plugin.MPSBackend().unavailable_reason()
+    if torch.backends.mps.is_available() and torch.amp.is_autocast_available("mps"):
+        assert reason is None
+        return
+    assert reason and ("not built with MPS" in reason or "no Metal device" in reason or "needs torch 2.5+" in reason)
+
+
+@needs_mps_autocast
+def test_mps_is_chosen_where_torch_reports_it(monkeypatch, fresh_registry):
+    _patch_mps(monkeypatch)
+    _others_off(monkeypatch, "mps")
+    be = amp_backends.get()
+    assert be.name == "mps", "never cpu silently on an Apple GPU"
+    assert be.supported_dtypes() == (torch.float16, torch.bfloat16)
+    assert be.has_fp64 is False and be.dist_backend == ""
+    assert be.unscale_dtypes is None and be.fused_steps_honour_found_inf is True
+    assert be.grad_scaler().is_enabled()
+    with pytest.raises(amp_backends.AmpBackendsError, match="no torch.distributed process-group backend for 'mps'"):
+        amp_backends.distributed.init_process_group(be)
+
+
+@needs_mps_autocast
+def test_mps_bf16_needs_macos_14(monkeypatch, fresh_registry):
+    _patch_mps(monkeypatch, macos=(13, 6))
+    be = mps_plugin.MPSBackend()
+    assert be.supported_dtypes() == (torch.float16,)
+    with pytest.raises(UnsupportedDtypeError, match="does not support autocast dtype bfloat16"):
+        be.autocast(torch.bfloat16)
+
+
+@needs_mps_autocast
+def test_mps_scaler_before_torch_2_8_is_refused_with_the_version(monkeypatch, fresh_registry):
+    _patch_mps(monkeypatch, torch_version=(2, 7))
+    be = mps_plugin.MPSBackend()
+    with pytest.raises(UnsupportedDtypeError, match=r"loss scaling on mps needs torch 2\.8\+") as info:
+        be.grad_scaler()
+    assert "bfloat16" in str(info.value), "the way out is named"
+    assert not be.grad_scaler(torch.bfloat16).is_enabled(), "bf16 needs no scaler: allowed"
+    assert not be.grad_scaler(enabled=False).is_enabled()
+
+
+@needs_mps_autocast
+def test_mps_device_bugs_are_guarded_where_probed(monkeypatch, fresh_registry):
+    _patch_mps(monkeypatch, unscale_ok=False, fused_ok=False)
+    be = mps_plugin.MPSBackend()
+    assert be.unscale_dtypes == (torch.float32,), "fp16/bf16 gradients go through float32 copies"
+    assert be.fused_steps_honour_found_inf is False
+    text = be.describe()
+    assert "unscaled through float32" in text and "skipped from the host" in text
+
+
+def test_the_mps_probes_detect_the_bugs_they_guard(monkeypatch):
+    """The probes themselves, run on the CPU: torch's correct kernels pass; a kernel that zeroes
+    half-precision values, or a fused Adam that ignores found_inf, is caught."""
+    assert mps_plugin._unscale_keeps_values("cpu") is True
+    assert mps_plugin._fused_adam_skips("cpu") is True
+    real = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def zeroing(grads, found, inv):
+        real(grads, found, inv)
+        for g in grads:
+            if g.dtype != torch.float32:
+                g.zero_()
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", zeroing)
+    assert mps_plugin._unscale_keeps_values("cpu") is False
+    monkeypatch.undo()
+
+    class IgnoringAdam(torch.optim.Adam):
+        def step(self, closure=None):
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
+            return super().step(closure)
+
+    monkeypatch.setattr(torch.optim, "Adam", IgnoringAdam)
+    assert mps_plugin._fused_adam_skips("cpu") is False
+
+
+class _BuggyFusedSGD(torch.optim.SGD):
+    """A fused optimizer with the MPS bug: it takes grad_scale/found_inf and ignores found_inf."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        handed = {k: self.__dict__.pop(k) for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        try:
+            scale = handed.get("grad_scale")
+            if scale is not None:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.div_(scale)
+            return super().step(closure)  # found_inf ignored
+        finally:
+            self.__dict__.update(handed)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_the_scaler_skips_from_the_host_where_fused_steps_ignore_found_inf(declared):
+    cpu = type(amp_backends.get("cpu"))
+
+    class Backend(cpu):
+        name = "cpu-buggy-fused"
+        fused_steps_honour_found_inf = declared
+
+    be = Backend()
+    model = torch.nn.Linear(3, 1)
+    opt = _BuggyFusedSGD(model.parameters(), lr=0.1)
+    scaler = amp_backends.GradScaler(be, init_scale=2.0**4)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.ones(2, 3)).sum() * torch.tensor(float("inf"))
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped, "the scaler knows the step overflowed either way"
+    unchanged = all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    # declared honest: the buggy optimizer steps anyway (what the declaration must not hide);
+    # declared buggy: the scaler unscales and skips it from the host
+    assert unchanged is (not declared)
+
+
+# -- hpu ----------------------------------------------------------------------------------------
+def _patch_hpu(monkeypatch, generation: str = "GAUDI2") -> None:
+    parent = types.ModuleType("habana_frameworks")
+    child = types.ModuleType("habana_frameworks.torch")
+    parent.__path__ = []  # a package
+    parent.torch = child
+    child.__spec__ = types.SimpleNamespace(name="habana_frameworks.torch")
+    monkeypatch.setitem(sys.modules, "habana_frameworks", parent)
+    monkeypatch.setitem(sys.modules, "habana_frameworks.torch", child)
+    monkeypatch.setattr(hpu_plugin.HPUBackend, "_load", lambda self: torch.hpu)
+    hpu = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 8,
+                                get_device_name=lambda device=None: generation)
+    monkeypatch.setattr(torch, "hpu", hpu, raising=False)
+
+
+def test_hpu_unavailable_here_says_why():
+    reason = hpu_plugin.HPUBackend().unavailable_reason()
+    if reason is None:
+        return  # a Gaudi machine
+    assert "habana_frameworks.torch" in reason
+
+
+def test_hpu_is_chosen_where_gaudi_is_present(monkeypatch, fresh_registry):
+    _patch_hpu(monkeypatch)
+    _others_off(monkeypatch, "hpu")
+    be = amp_backends.get()
+    assert be.name == "hpu", "never cpu silently on a Gaudi"
+    assert be.default_dtype == torch.bfloat16 and be.supported_dtypes() == (torch.bfloat16, torch.float16)
+    assert not be.grad_scaler().is_enabled(), "bf16 by default: the scaler is off"
+    assert be.grad_scaler(torch.float16).is_enabled(), "fp16 on Gaudi 2: scaled"
+    assert be.dist_backend == "hccl" and be.has_fp64 is False
+    assert be.describe() == "Intel Gaudi 2 (8 device(s))"
+
+
+def test_first_generation_gaudi_has_no_float16(monkeypatch, fresh_registry):
+    _patch_hpu(monkeypatch, generation="GAUDI")
+    be = hpu_plugin.HPUBackend()
+    assert be.supported_dtypes() == (torch.bfloat16,)
+    with pytest.raises(UnsupportedDtypeError, match="float16"):
+        be.autocast(torch.float16)
+
+
+# -- ROCm inside the cuda backend ------------------------------------------------------------------
+def _patch_rocm(monkeypatch, arch: str = "gfx942:sramecc+:xnack-", name: str = "AMD Instinct MI300X") -> None:
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133-dd7f95766", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(gcnArchName=arch))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+
+
+def test_rocm_is_named_with_its_release_and_architecture(monkeypatch):
+    _patch_rocm(monkeypatch)
+    be = cuda_plugin.CUDABackend()
+    assert be.is_available()
+    assert be.describe() == "AMD Instinct MI300X (ROCm 6.2, gfx942)"
+    assert be.native_dtypes() == (torch.float16, torch.bfloat16)
+
+
+def test_rocm_bf16_is_native_by_amd_architecture(monkeypatch):
+    _patch_rocm(monkeypatch, arch="gfx908:sramecc+:xnack-", name="AMD Instinct MI100")
+    be = cuda_plugin.CUDABackend()
+    assert be.native_dtypes() == (torch.float16,), "MI100: bf16 works, emulated"
+    assert "gfx908" in be.emulation_reason(torch.bfloat16) and "gfx90a" in be.emulation_reason(torch.bfloat16)
+
+
+@pytest.mark.parametrize(("arch", "native"), [
+    ("gfx90a", True), ("gfx940", True), ("gfx942", True), ("gfx950", True), ("gfx1100", True), ("gfx1201", True),
+    ("gfx906", False), ("gfx908", False), ("gfx1030", False), ("gfx1010", False), (None, False), ("sm_90", False),
+])
+def test_amd_bf16_rule(arch, native):
+    assert cuda_plugin.amd_bf16_native(arch) is native
+
+
+def test_a_kernel_is_adopted_on_rocm_only_after_its_self_check(monkeypatch):
+    """On ROCm the device type is cuda: the registry's self-check runs there as on NVIDIA; a kernel
+    that fails it is not adopted."""
+    _patch_rocm(monkeypatch)
+    from amp_backends import Kernel
+    from amp_backends.registry import Registry
+
+    class Rocket(Kernel):
+        name = "rocket"
+        priority = 99
+
+        def auto_select(self, device_type):
+            return device_type == "cuda"
+
+    checked = []
+
+    def self_check(kernel, device):
+        checked.append((kernel.name, str(device)))
+        return "missed an inf/NaN in torch.float16 gradients"
+
+    monkeypatch.setattr(amp_backends.registry, "kernel_self_check", self_check)
+
+    class Plugin:
+        @amp_backends.hookimpl
+        def amp_backends_register_kernels(self, register):
+            register(Rocket())
+
+    registry = Registry(group="amp_backends_no_such_group")
+    registry.register_plugin(Plugin(), name="rocket")
+    monkeypatch.delenv("AMP_BACKENDS_KERNEL", raising=False)
+    with pytest.warns(RuntimeWarning, match="failed its self-check on cuda"):
+        kernel = registry.kernel_for(cuda_plugin.CUDABackend())
+    assert kernel.name == "torch" and checked == [("rocket", "cuda")]

@@ -1,0 +1,239 @@
+"""The generic backend: an accelerator torch reports that no plugin claims, served from torch's
+own APIs. End to end on the simulated extension torch_sim (PrivateUse1 renamed "sim", autoloaded
+by ``import torch`` through its ``torch.backends`` entry point, no amp_backends plugin), each run in
+its own process (PrivateUse1 is renamed once per process); the registry's fallback rule and the
+torch < 2.6 path in process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import amp_backends
+from amp_backends import hookimpl
+from amp_backends.backend import Backend
+from amp_backends.registry import Registry
+from amp_backends.testing import sim_packages_path
+
+from conftest import cpu_only_env, run_json, run_python
+from test_mlu import needs_sim_device
+
+GENERIC = [sim_packages_path("generic")]
+needs_accelerator_api = pytest.mark.skipif(
+    not hasattr(torch, "accelerator"), reason=f"torch.accelerator arrived in torch 2.6; this is torch {torch.__version__}"
+)
+
+LOOP = """
+import json, math, torch, amp_backends
+be = amp_backends.get()
+dev = be.device()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(dev)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+x = torch.randn(32, 8).to(dev); y = torch.randn(32, 1).to(dev)
+scaler = be.grad_scaler(torch.float16, init_scale=2.0**10)
+record, dtypes = [], []
+for step in range(4):
+    opt.zero_grad()
+    with be.autocast(torch.float16):
+        out = model(x)
+        dtypes.append(str(out.dtype))
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+    if step == 2:
+        loss = loss * torch.full((), math.inf, device=dev)
+    scaler.scale(loss).backward()
+    scaler.step(opt); scaler.update()
+    record.append([scaler.last_step_skipped, scaler.get_scale()])
+print(json.dumps({"name": be.name, "type": type(be).__name__, "device": str(dev), "record": record,
+                  "dtypes": dtypes, "supported": [str(d) for d in be.supported_dtypes()],
+                  "default": str(be.default_dtype), "fp64": be.has_fp64, "dist": be.dist_backend,
+                  "available": amp_backends.available(), "torch_sim_plugin": "torch_sim" in
+                  [p.name for p in amp_backends.plugins()]}))
+"""
+
+
+@needs_sim_device
+@needs_accelerator_api
+def test_an_unclaimed_accelerator_trains_through_the_generic_backend():
+    out = run_json(LOOP, GENERIC, cpu_only_env())
+    assert out["name"] == "sim" and out["type"] == "AcceleratorBackend" and out["device"] == "sim"
+    assert out["available"][0] == "sim", "the accelerator ranks above cpu"
+    assert out["torch_sim_plugin"] is False, "no amp_backends plugin is involved"
+    assert set(out["dtypes"]) == {"torch.float16"}, "autocast ran the linear layers in float16 on the device"
+    assert out["supported"] == ["torch.float16", "torch.bfloat16"] and out["default"] == "torch.float16"
+    assert out["fp64"] is True and out["dist"] == "gloo"
+    skipped = [r[0] for r in out["record"]]
+    scales = [r[1] for r in out["record"]]
+    assert skipped == [False, False, True, False]
+    assert scales[2] == scales[1] / 2, "the inf step backed the scale off"
+
+
+@needs_sim_device
+@needs_accelerator_api
+def test_info_lists_the_generic_backend():
+    proc = run_python("from amp_backends.cli import main; main(['info', '--json'])", GENERIC, cpu_only_env())
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    row = next(b for b in data["backends"] if b["name"] == "sim")
+    assert row["available"] and row["generic"] and row["plugin"] == "generic"
+    assert "torch.accelerator reports 'sim'" in row["device"]
+    assert data["best"] == "sim"
+    text = run_python("from amp_backends.cli import main; main(['info'])", GENERIC, cpu_only_env()).stdout
+    assert "(generic)" in text and "sim: generic: torch.accelerator reports 'sim'" in text
+
+
+@needs_sim_device
+@needs_accelerator_api
+@pytest.mark.parametrize(("env", "reason"), [
+    ({"AMP_SIM_GENERIC_DTYPES": "none"}, "accepts neither float16 nor bfloat16"),
+    ({"AMP_SIM_GENERIC_UNSCALE": "0"}, "has no working kernel on 'sim'"),
+], ids=["no-autocast-dtype", "no-unscale-kernel"])
+def test_a_device_the_generic_path_cannot_serve_is_named_with_the_reason(env, reason):
+    code = """
+    import json, warnings, amp_backends
+    from amp_backends.registry import default_registry, probe
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        best = amp_backends.get().name
+    be = next(b for b, _ in default_registry().backends() if b.name == "sim")
+    try:
+        amp_backends.get("sim"); error = None
+    except amp_backends.BackendUnavailableError as exc:
+        error = str(exc)
+    print(json.dumps({"best": best, "reason": probe(be), "error": error,
+                      "warnings": [str(w.message) for w in caught]}))
+    """
+    out = run_json(code, GENERIC, {**cpu_only_env(), **env})
+    assert out["best"] == "cpu"
+    assert reason in out["reason"] and reason in out["error"]
+    assert any("torch reports a usable 'sim' accelerator" in w and reason in w for w in out["warnings"]), (
+        "falling back to cpu with an accelerator present is never silent")
+
+
+@needs_sim_device
+@needs_accelerator_api
+def test_the_conformance_suite_passes_on_the_generic_backend(tmp_path):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BACKEND")}
+    full.update(cpu_only_env())
+    full["PYTHONPATH"] = os.pathsep.join([str(p) for p in GENERIC] + [full.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "amp_backends.testing", "--amp-backend", "sim",
+         "-q", "-p", "no:cacheprovider", "-p", "no:xdist"],
+        capture_output=True, text=True, env=full, cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+@needs_sim_device
+@needs_accelerator_api
+def test_a_plugin_for_the_device_replaces_the_generic_backend():
+    code = """
+    import json, torch, amp_backends
+    from amp_backends import Backend, hookimpl
+
+    class SimVendor(Backend):
+        name = "simvendor"; device_type = "sim"; priority = 100
+        def is_available(self): return True
+
+    class Plugin:
+        @hookimpl
+        def amp_backends_register_backends(self, register):
+            register(SimVendor())
+
+    before = amp_backends.names()
+    amp_backends.register_plugin(Plugin(), name="simvendor")
+    print(json.dumps({"before": "sim" in before, "after": amp_backends.names(), "best": amp_backends.get().name}))
+    """
+    out = run_json(code, GENERIC, cpu_only_env())
+    assert out["before"] is True
+    assert "sim" not in out["after"] and "simvendor" in out["after"] and out["best"] == "simvendor"
+
+
+# -- the registry's fallback rule, in process -------------------------------------------------
+class _Fake(Backend):
+    priority = 60
+
+    def __init__(self, name: str, device_type: str) -> None:
+        self.name, self.device_type = name, device_type
+
+    def is_available(self) -> bool:
+        return True
+
+
+def _plugin(backend: Backend, **kwargs):
+    class Plugin:
+        @hookimpl
+        def amp_backends_register_backends(self, register):
+            register(backend, **kwargs)
+
+    return Plugin()
+
+
+def _registry(*plugins) -> Registry:
+    registry = Registry(group="amp_backends_no_such_group")
+    for i, plugin in enumerate(plugins):
+        registry.register_plugin(plugin, name=f"p{i}")
+    return registry
+
+
+def test_a_fallback_backend_stays_while_nothing_else_serves_its_device_type():
+    registry = _registry(_plugin(_Fake("fakeacc", "fakeacc"), fallback=True))
+    assert registry.names() == ["fakeacc"]
+    assert registry.get().name == "fakeacc"
+
+
+@pytest.mark.parametrize("order", ["fallback-first", "fallback-last"])
+def test_a_fallback_yields_to_any_backend_of_its_device_type(order):
+    fallback = _plugin(_Fake("fakeacc", "fakeacc"), fallback=True)
+    vendor = _plugin(_Fake("vendoracc", "fakeacc"))
+    registry = _registry(*((fallback, vendor) if order == "fallback-first" else (vendor, fallback)))
+    assert registry.names() == ["vendoracc"]
+    assert registry.duplicates() == {}
+
+
+def test_a_fallback_yields_to_a_backend_of_its_name_registered_later():
+    registry = _registry(_plugin(_Fake("fakeacc", "fakeacc"), fallback=True))
+    assert registry.names() == ["fakeacc"]
+    real = _Fake("fakeacc", "fakeacc")
+    registry.register_plugin(_plugin(real), name="vendor")
+    assert registry.names() == ["fakeacc"] and registry.get("fakeacc") is real
+    assert registry.duplicates() == {}
+
+
+def test_fallback_and_override_together_are_refused():
+    registry = _registry(_plugin(_Fake("fakeacc", "fakeacc"), fallback=True, override=True))
+    assert registry.names() == []
+    record = next(r for r in registry.plugins() if r.name == "p0")
+    assert record.status == "failed" and "a fallback never overrides" in record.error
+
+
+def test_on_torch_without_torch_accelerator_the_generic_backend_names_the_version_it_needs(monkeypatch):
+    from amp_backends_plugins import generic
+
+    monkeypatch.setattr(generic, "current_accelerator_type", lambda: None)
+    monkeypatch.setattr(generic, "privateuse1_name", lambda: "oldacc")
+    if hasattr(torch, "accelerator"):
+        monkeypatch.delattr(torch, "accelerator")
+    backend = generic.detect()
+    assert backend is not None and backend.name == "oldacc"
+    reason = backend.unavailable_reason()
+    assert "needs torch 2.6+" in reason and "oldacc" in reason and torch.__version__ in reason
+
+
+@needs_accelerator_api
+def test_the_generic_backend_is_not_offered_for_cpu_or_a_claimed_device(monkeypatch):
+    from amp_backends_plugins import generic
+
+    monkeypatch.setattr(generic, "current_accelerator_type", lambda: "cpu")
+    assert generic.detect() is None
+    monkeypatch.setattr(generic, "current_accelerator_type", lambda: "cuda")
+    found = generic.detect()
+    assert found is not None and found.device_type == "cuda"
+    names = amp_backends.names()
+    assert names.count("cuda") == 1, "the cuda plugin claims the device: no generic one beside it"
