@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .arena import FlatGrads, flat_grads
 from .backend import Backend
+from .check import ModelReport, check_model
 from .errors import (
     AmpBackendsError,
     BackendUnavailableError,
@@ -24,12 +25,14 @@ from .errors import (
 from .hookspecs import hookimpl, hookspec
 from .kernels import Kernel, TorchKernel
 from .modules import AutocastModule, autocast_module
+from .precision import RECIPE, PrecisionPolicy, precision_policy
 from .registry import available, get, names, plugins, register_plugin, reload
 from .scaler import GradScaler, ScalerStats
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("checkpoint", "distributed", "testing")
+
+_LAZY_SUBMODULES = ("check", "checkpoint", "distributed", "info", "testing")
 
 
 def __getattr__(name: str) -> object:
@@ -49,8 +52,11 @@ __all__ = [
     "FlatGrads",
     "GradScaler",
     "Kernel",
+    "ModelReport",
     "PerformanceWarning",
     "PluginLoadError",
+    "PrecisionPolicy",
+    "RECIPE",
     "ScalerStats",
     "StateDictError",
     "TorchKernel",
@@ -59,12 +65,14 @@ __all__ = [
     "__version__",
     "autocast_module",
     "available",
+    "check_model",
     "flat_grads",
     "get",
     "hookimpl",
     "hookspec",
     "names",
     "plugins",
+    "precision_policy",
     "register_plugin",
     "reload",
 ]

@@ -93,6 +93,10 @@ class Backend:
     #: for every optimizer of the iteration and agrees on it across ranks. Implement
     #: :meth:`clear_overflow_status` and :meth:`read_overflow_status_`.
     global_overflow_status: bool = False
+    #: Ops that must run in float32 under this device's autocast beyond torch's lists (names from
+    #: :data:`amp_backends.precision.OP_MODULES`, e.g. ``"binary_cross_entropy"``): a precision
+    #: policy built with this backend runs the modules calling them in float32.
+    fp32_ops: tuple[str, ...] = ()
     #: False where the device's fused optimizers (``Adam(fused=True)``) ignore the ``found_inf``
     #: they are handed (MPS before pytorch PR 186360): the scaler then unscales and skips such
     #: optimizers from the host, as it does every other optimizer.

@@ -61,6 +61,18 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--scale", type=float, default=1.0, help="batch-size factor, in (0, 8]")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", metavar="PNG", help="also draw the table (needs matplotlib)")
+
+    check = sub.add_parser("check", help="what AMP will do to a model: precision per layer, shapes, fp16 range")
+    check.add_argument("target", metavar="MODULE:FACTORY",
+                       help="an importable factory returning (model, example_inputs[, loss_fn]); or bench:NAME "
+                            f"for a bench model ({', '.join(_BENCH_MODELS)})")
+    check.add_argument("--backend", help="backend name (default: best available, or $AMP_BACKEND)")
+    check.add_argument("--dtype", help="autocast dtype, e.g. float16 or bfloat16 (default: the backend's)")
+    check.add_argument("--size", choices=("full", "small"), default="small", help="bench models only")
+    check.add_argument("--policy", choices=("none", "recipe"), default="none",
+                       help="apply a precision policy first (recipe: norms and the head in float32)")
+    check.add_argument("--loss-scale", type=float, default=None, help="judge fp16 underflow at this scale (default 65536)")
+    check.add_argument("--json", action="store_true")
     return parser
 
 
@@ -140,6 +152,10 @@ def _run(args: argparse.Namespace) -> int:
 
         return bench_main(args.backend, list(dict.fromkeys(models)), args.size, args.rounds, args.warmup, args.scale,
                           args.json, args.plot)
+    if args.command == "check":
+        from .check import main as check_main
+
+        return check_main(args.target, args.backend, args.dtype, args.size, args.policy, args.loss_scale, args.json)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

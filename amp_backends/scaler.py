@@ -71,6 +71,11 @@ class ScalerStats:
     last_overflow_step: int | None
     #: ``update()`` calls so far.
     updates: int
+    #: the total norm of the unscaled gradients the last ``clip_grad_norm_`` computed (a device
+    #: tensor, read without a sync: ``.item()`` when you want the number), or None
+    grad_norm: torch.Tensor | None = None
+    #: per parameter group, the norms before clipping, where ``clip_grad_norm_(per_group=True)`` asked
+    group_grad_norms: tuple[torch.Tensor, ...] | None = None
 
 
 def _f32(x: float) -> float:
@@ -140,6 +145,8 @@ class GradScaler(torch.amp.GradScaler):
         _check_process_group(process_group)
         self.backend: Backend = resolve_backend(backend, device)
         self._process_group = process_group
+        self._grad_norm: torch.Tensor | None = None
+        self._group_grad_norms: tuple[torch.Tensor, ...] | None = None
         super().__init__(
             self.backend.device_type,
             init_scale=float(init_scale),
@@ -480,6 +487,53 @@ class GradScaler(torch.amp.GradScaler):
         optimizer: torch.optim.Optimizer,
         max_norm: float,
         norm_type: float = 2.0,
+        *,
+        per_group: bool = False,
+    ) -> torch.Tensor:
+        """Unscale (if not done yet) and clip the optimizer's gradients to ``max_norm``; the
+        total norm is returned and kept in :attr:`stats` (``grad_norm``), and with ``per_group``
+        each parameter group's norm before clipping (``group_grad_norms``), both as device
+        tensors: monitoring them costs no host sync."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"clip_grad_norm_ takes the optimizer whose gradients to clip, got {type(optimizer).__name__}: "
+                "call scaler.clip_grad_norm_(optimizer, max_norm) (the scaler unscales per optimizer)"
+            )
+        groups = self._group_norms(optimizer, *_clip_args(max_norm, norm_type)) if _flag("per_group", per_group) else None
+        total = self._clip_grad_norm(optimizer, max_norm, norm_type)
+        self._grad_norm = total.detach()
+        self._group_grad_norms = groups
+        return total
+
+    def _group_norms(self, optimizer: torch.optim.Optimizer, _: float, norm_type: float) -> tuple[torch.Tensor, ...]:
+        """Each parameter group's gradient norm, unscaled, before the clip."""
+        stage = self._per_optimizer_states[id(optimizer)]["stage"] if self._enabled else OptState.UNSCALED
+        if stage is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step(): clip between backward and "
+                               "scaler.step(optimizer), before update()")
+        factor = None
+        if stage is OptState.READY:
+            if self._fused(optimizer):  # the gradients stay scaled: measure them and divide
+                factor = self._inv_scale(self._check_scale_growth_tracker("clip_grad_norm_")[0])
+            else:
+                self.unscale_(optimizer)
+        norms = []
+        for group in optimizer.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            if not grads:
+                norms.append(torch.zeros(()))
+                continue
+            dense = [g.coalesce()._values() if g.is_sparse else g for g in grads]
+            per = [torch.linalg.vector_norm(g.float(), norm_type).to(dense[0].device) for g in dense]
+            norm = torch.linalg.vector_norm(torch.stack(per), norm_type)
+            norms.append(norm * factor.to(norm.device) if factor is not None else norm)
+        return tuple(norms)
+
+    def _clip_grad_norm(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
     ) -> torch.Tensor:
         """Unscale (if not done yet) and clip the optimizer's gradients to ``max_norm``.
 
@@ -691,6 +745,8 @@ class GradScaler(torch.amp.GradScaler):
             scale=scale,
             last_overflow_step=None if last < 0 else last,
             updates=self._updates,
+            grad_norm=self._grad_norm,
+            group_grad_norms=self._group_grad_norms,
         )
 
     # -- setters and state ----------------------------------------------------------------
@@ -725,6 +781,7 @@ class GradScaler(torch.amp.GradScaler):
         state = super().__getstate__()
         state["backend"] = self.backend.name  # resolved again from the registry on load
         state["_arena"] = None
+        state["_grad_norm"] = state["_group_grad_norms"] = None  # monitoring, not state
         state["_scale_copy"] = None  # a pending copy of the scale (and a CUDA event) stays behind
         state["_mirror"] = (_f32(state["_init_scale"]), state["_init_growth_tracker"]) if self._enabled else None
         return state

@@ -22,6 +22,7 @@ from amp_backends import distributed
 parser = argparse.ArgumentParser()
 parser.add_argument("--mode", choices=["ddp", "sharded"], required=True)
 parser.add_argument("--sync", action="store_true", help="all-reduce found_inf in the scaler")
+parser.add_argument("--policy", action="store_true", help="run the head in float32 (precision_policy, before DDP)")
 parser.add_argument("--inject-rank", type=int, default=1)
 parser.add_argument("--inject-step", type=int, default=3)
 parser.add_argument("--out", required=True)
@@ -36,6 +37,7 @@ x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
 state = {"step": -1}
 first = next(model.parameters())
 
+policy = amp_backends.precision_policy(model) if args.policy else None  # the recipe: the head in float32
 if args.mode == "ddp":
     if info.rank == args.inject_rank:
         first.register_hook(lambda grad: torch.full_like(grad, math.inf) if state["step"] == args.inject_step else grad)
@@ -50,7 +52,8 @@ for step in range(8):
     state["step"] = step
     opt.zero_grad()
     with torch.autocast("cpu", dtype=torch.float16):
-        loss = torch.nn.functional.mse_loss(net(x).float(), y)
+        out = net(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
     scaler.scale(loss).backward()
     if args.mode == "sharded":
         for p in model.parameters():
@@ -71,5 +74,7 @@ Path(args.out, f"rank{info.rank}.json").write_text(json.dumps({
     "dist_backend": info.dist_backend,
     "record": record,
     "identical_across_ranks": all(torch.equal(gathered[0], t) for t in gathered),
+    "out_dtype": str(out.dtype),
+    "policy": None if policy is None else sorted(policy.selected),
 }))
 distributed.destroy_process_group()

@@ -52,6 +52,19 @@ def test_ddp_inf_on_one_rank_skips_the_same_step_everywhere(tmp_path):
     assert scales[3] == scales[2] / 2, "both ranks backed off at the injected step"
 
 
+def test_ddp_with_a_precision_policy(tmp_path):
+    """The policy applied to the model before DDP wraps it: the head runs in float32 on every
+    rank, the same steps are skipped, and the ranks stay identical."""
+    ranks = run_worker(tmp_path, "--mode", "ddp", "--policy")
+    (tmp_path / "plain").mkdir()
+    plain = run_worker(tmp_path / "plain", "--mode", "ddp")
+    for r in ranks:
+        assert r["policy"] == ["2"] and r["out_dtype"] == "torch.float32" and r["identical_across_ranks"]
+        assert [e["skipped"] for e in r["record"]] == [e["skipped"] for e in plain[0]["record"]]
+    assert plain[0]["out_dtype"] == "torch.float16" and plain[0]["policy"] is None
+    assert ranks[0]["record"] == ranks[1]["record"]
+
+
 def test_sharded_gradients_agree_on_found_inf_through_the_process_group(tmp_path):
     ranks = run_worker(tmp_path, "--mode", "sharded", "--sync")
     assert ranks[0]["record"] == ranks[1]["record"]

@@ -29,6 +29,9 @@ class MLUBackend(ExtensionBackend):
     # MLU_VISIBLE_DEVICES, else CUDA_VISIBLE_DEVICES
     visible_devices = ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
     device_tool = "cnmon"
+    # csrc/aten/autocast_mode.cpp bans binary_cross_entropy under autocast (it raises): a
+    # precision policy built with this backend runs nn.BCELoss in float32 instead
+    fp32_ops = ("binary_cross_entropy",)
     # torch_mlu's unscale kernel (csrc/aten/operators/bang/amp_unscale.cpp) takes float32 and
     # float16 gradients only, and at most INT32_MAX elements per tensor: bf16 gradients (MLU590)
     # and larger tensors are routed around it by the core.
