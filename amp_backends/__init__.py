@@ -26,7 +26,7 @@ from .hookspecs import hookimpl, hookspec
 from .kernels import Kernel, TorchKernel
 from .modules import AutocastModule, autocast_module
 from .precision import RECIPE, PrecisionPolicy, precision_policy
-from .registry import available, get, names, plugins, register_plugin, reload
+from .registry import available, get, names, plugins, register_plugin, reload, reprobe
 from .scaler import GradScaler, ScalerStats
 
 __version__ = "0.1.0"
@@ -75,4 +75,5 @@ __all__ = [
     "precision_policy",
     "register_plugin",
     "reload",
+    "reprobe",
 ]

@@ -19,6 +19,7 @@ import sys
 import threading
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -129,6 +130,7 @@ class Registry:
     def reload(self) -> None:
         """Forget everything and discover plugins again (re-reading the environment)."""
         with self._lock:
+            reprobe()
             self._reset()
             self._loaded = False
             self._ensure_loaded()
@@ -243,14 +245,22 @@ class Registry:
                 record = self._records[name]
                 if impl is None or record.status == "failed":
                     continue
-                try:
-                    impl.function(register=_Registrar(adder, record))
-                except SystemExit as exc:
-                    self._fail(record, _exit_error(exc, f"in its {hook_name} hook"))
+                registrar = _Registrar(adder, record)
+                timeout = probe_timeout()
+                done, _, error = _bounded(lambda: impl.function(register=registrar), timeout)
+                if not done:
+                    registrar.closed = True
+                    self._fail(record, TimeoutError(f"its {hook_name} hook did not return within {timeout:g} s "
+                                                    "(set AMP_BACKENDS_PROBE_TIMEOUT=SECONDS to wait longer)"))
                     self._drop(record)
-                except Exception as exc:  # noqa: BLE001
-                    self._fail(record, exc)
+                elif isinstance(error, SystemExit):
+                    self._fail(record, _exit_error(error, f"in its {hook_name} hook"))
                     self._drop(record)
+                elif isinstance(error, Exception):
+                    self._fail(record, error)
+                    self._drop(record)
+                elif error is not None:  # KeyboardInterrupt: the caller's to handle
+                    raise error
         self._settle_fallbacks()
 
     def _settle_fallbacks(self) -> None:
@@ -474,7 +484,7 @@ class Registry:
             kernel = kernels[forced]
             reason = kernel.unavailable_reason(device_type)
             if reason is None and kernel is not TORCH_KERNEL:
-                problem = kernel_self_check(kernel, backend.device())
+                problem = _timed_self_check(kernel, backend)
                 reason = None if problem is None else f"it failed its self-check ({problem})"
             if reason is not None:
                 raise BackendUnavailableError(
@@ -502,7 +512,7 @@ class Registry:
         key = (kernel.name, backend.device_type)
         if key in self._kernel_rejections:
             return self._kernel_rejections[key]
-        problem = kernel_self_check(kernel, backend.device())
+        problem = _timed_self_check(kernel, backend)
         if problem is None:
             return None
         message = (f"kernel {kernel.name!r} from {record.package} failed its self-check on {backend.device_type} "
@@ -522,9 +532,31 @@ class _Registrar:
     def __init__(self, adder: Callable[..., None], record: PluginRecord) -> None:
         self._adder = adder
         self._record = record
+        self.closed = False
 
     def __call__(self, obj: Any, **kwargs: Any) -> None:
+        if self.closed:  # a hook that overran its time and registers late: ignored
+            raise RuntimeError(f"plugin {self._record.name!r} registered after its hook timed out: ignored")
         self._adder(self._record, obj, **kwargs)
+
+
+def _bounded(fn: Callable[[], Any], timeout: float) -> tuple[bool, Any, BaseException | None]:
+    """Run ``fn`` in a daemon thread for at most ``timeout`` seconds: (finished, result, exception).
+    Whatever it raises (KeyboardInterrupt and SystemExit too) comes back to the caller."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((fn(), None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out.append((None, exc))
+
+    thread = threading.Thread(target=run, name="amp-backends plugin call", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not out:
+        return False, None, None
+    return True, out[0][0], out[0][1]
 
 
 #: Names ``get()`` gives a meaning of its own: no backend may take them.
@@ -553,6 +585,8 @@ def _check_backend_fields(backend: Backend) -> None:
 
 #: Backends whose probe did not return in time: the reason, so a hang costs its wait once.
 _HUNG: dict[int, str] = {}
+#: Each backend's availability answer, kept for the process (per instance: reload() makes new ones).
+_PROBED: weakref.WeakKeyDictionary[Backend, str | None] = weakref.WeakKeyDictionary()
 
 
 #: The longest probe timeout accepted (an hour): threading's wait refuses much larger numbers.
@@ -587,6 +621,10 @@ def probe(backend: Backend) -> str | None:
     hung = _HUNG.get(id(backend))
     if hung is not None:
         return hung
+    try:
+        return _PROBED[backend]
+    except (KeyError, TypeError):
+        pass
     cls = type(backend).__name__
     answer: list[str | None] = []
 
@@ -620,7 +658,42 @@ def probe(backend: Backend) -> str | None:
             "set AMP_BACKENDS_PROBE_TIMEOUT=SECONDS to wait longer"
         )
         return _HUNG[id(backend)]
+    try:
+        _PROBED[backend] = answer[0]  # asked once per process: amp_backends.reprobe() asks again
+    except TypeError:  # an object that cannot be weakly referenced: not cached
+        pass
     return answer[0]
+
+
+def reprobe() -> None:
+    """Forget every availability answer, so the next ``get()``/``available()`` asks the
+    backends again (a device plugged in, a driver restarted, visibility variables changed)."""
+    _PROBED.clear()
+    _HUNG.clear()
+
+
+def _timed_self_check(kernel: Kernel, backend: Backend) -> str | None:
+    """The kernel self-check, bounded in time like a probe: a kernel op that hangs is a problem."""
+    timeout = probe_timeout()
+    device = backend.device()
+    module = getattr(torch, device.type, None)
+    if device.index is None and device.type != "cpu" and callable(getattr(module, "current_device", None)):
+        with contextlib.suppress(Exception):  # the caller's current device (a DDP rank's), not the thread's default
+            device = torch.device(device.type, int(module.current_device()))
+    use = getattr(module, "device", None) if device.index is not None else None
+
+    def check() -> str | None:
+        with use(device.index) if callable(use) else contextlib.nullcontext():
+            return kernel_self_check(kernel, device)
+
+    done, problem, error = _bounded(check, timeout)
+    if not done:
+        return f"its ops did not finish within {timeout:g} s"
+    if error is not None:
+        if not isinstance(error, Exception):
+            raise error
+        return f"raised {type(error).__name__}: {error}"
+    return problem
 
 
 def _exit_error(exc: SystemExit, where: str) -> RuntimeError:

@@ -481,6 +481,22 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
             self.unscale_(optimizer)
 
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> bool | None:
+        """Whether this iteration's unscaled gradients of ``optimizer`` hold an inf/NaN (its step
+        will be skipped); None before they are unscaled, or with scaling off and ``check_finite``
+        unset. With scaling off and ``check_finite`` set, the gradients are checked now. A host read."""
+        if not self._enabled:
+            if not self._check_finite:
+                return None
+            with torch.no_grad():
+                found = self._grad_op(optimizer, None, torch.zeros(()), True, None)
+            return bool(found) and bool(_sum_on(found, next(iter(found))).item() > 0)
+        state = self._per_optimizer_states[id(optimizer)]
+        found = state["found_inf_per_device"]
+        if state["stage"] is OptState.READY or not found:
+            return None
+        return bool(_sum_on(found, next(iter(found))).item() > 0)
+
     # -- clipping -------------------------------------------------------------------------
     def clip_grad_norm_(
         self,

@@ -138,7 +138,7 @@ def test_trainer_checkpoint_resumes_identically(tmp_path):
         assert torch.equal(a, b)
 
 
-def _fabric_run(precision, steps=5, inject=INJECT, save_at=None, load=None, path=None):
+def _fabric_run(precision, steps=5, inject=INJECT, save_at=None, load=None, path=None, **clip):
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[precision] if precision else None)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -160,7 +160,7 @@ def _fabric_run(precision, steps=5, inject=INJECT, save_at=None, load=None, path
         fabric.backward(loss)
         if step == inject:
             first.weight.grad[0, 0] = math.inf
-        norms.append(float(fabric.clip_gradients(model, opt, max_norm=0.5, error_if_nonfinite=False)))
+        norms.append(float(fabric.clip_gradients(model, opt, max_norm=0.5, **clip)))  # Fabric's defaults
         opt.step()
         opt.zero_grad()
         skipped.append(precision.last_step_skipped if precision else False)
@@ -181,6 +181,18 @@ def test_fabric_fp16_on_cpu_skips_inf_clips_true_norm_and_resumes(tmp_path):
     norms2, _, params2, _ = _fabric_run(resumed, load=True, path=tmp_path / "f.ckpt")
     assert norms2 == norms[3:] and resumed.scaler.state_dict() == precision.scaler.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(params, params2))
+
+
+@pytest.mark.parametrize("clip", [{}, {"error_if_nonfinite": True}, {"error_if_nonfinite": False}],
+                         ids=["fabric-default", "raise-on-nonfinite", "no-raise"])
+def test_fabric_clip_on_an_overflowed_step_clips_nothing_and_the_scaler_skips(clip):
+    """Fabric's default error_if_nonfinite=True would raise on the overflow the scaler handles:
+    the plugin gives Fabric nothing to clip for that step (norm 0), and found_inf tells why."""
+    precision = AmpPrecision("cpu", torch.float16, init_scale=2.0**10)
+    norms, skipped, params, _ = _fabric_run(precision, **clip)
+    assert skipped == [s == INJECT for s in range(5)]
+    assert norms[INJECT] == 0.0 and all(n > 0 for i, n in enumerate(norms) if i != INJECT)
+    assert all(torch.isfinite(p).all() for p in params)
 
 
 def test_fabric_bf16_with_check_finite_skips_without_scaling():

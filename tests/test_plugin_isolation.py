@@ -317,3 +317,82 @@ def test_an_unavailable_backend_is_asked_once_per_probe(tmp_path):
                  '{"err": err, "calls": [type(b).calls for b, _ in amp_backends.registry.default_registry().backends()'
                  ' if b.name == "slowno"][0]}')
     assert out["calls"] == 1 and "is_available() returned False" in out["err"]
+
+
+def test_availability_is_cached_per_process_and_reprobe_asks_again(tmp_path):
+    """A slow answer costs its time once per process, not on every get(); reprobe() asks again."""
+    body = "time.sleep(0.5); type(self).calls = getattr(type(self), 'calls', 0) + 1; return False"
+    source = PROBE_SOURCE.replace("NAME", "slowcount").replace("BODY", body)
+    root = write_distribution(tmp_path / "sc", "slowcount-amp", "slowcount_amp", source, {"slowcount": "slowcount_amp"})
+    out = run_json("""
+    import json, amp_backends
+    def calls():
+        return [type(b).calls for b, _ in amp_backends.registry.default_registry().backends() if b.name == "slowcount"][0]
+    amp_backends.get(); amp_backends.get(); amp_backends.available()
+    try:
+        amp_backends.get("slowcount")
+    except amp_backends.BackendUnavailableError:
+        pass
+    first = calls()
+    amp_backends.reprobe()
+    amp_backends.available()
+    print(json.dumps({"first": first, "again": calls()}))
+    """, [root], cpu_only_env())
+    assert out["first"] == 1, "get(), get(), available() and get(name): one question"
+    assert out["again"] == 2, "reprobe() forgets the answer"
+
+
+HOOK_HANG = ACME_SOURCE.replace("    register(AcmeBackend())", "    import time; time.sleep(60); register(AcmeBackend())")
+
+
+def test_a_hanging_register_hook_is_bounded_and_the_others_load(tmp_path):
+    root = write_distribution(tmp_path / "hh", "hookhang-amp", "hookhang_amp", HOOK_HANG, {"hookhang": "hookhang_amp"})
+    code = """
+    import json, time, amp_backends
+    t = time.perf_counter()
+    best = amp_backends.get("cpu").name
+    seconds = time.perf_counter() - t
+    rec = [p for p in amp_backends.plugins() if p.name == "hookhang"][0]
+    print(json.dumps({"best": best, "seconds": seconds, "status": rec.status, "error": rec.error,
+                      "names": amp_backends.names()}))
+    """
+    start = time.perf_counter()
+    out = run_json(code, [root], {"AMP_BACKENDS_PROBE_TIMEOUT": "1", **cpu_only_env()})
+    assert out["best"] == "cpu" and out["seconds"] < 10 and time.perf_counter() - start < 60
+    assert out["status"] == "failed" and "did not return within 1 s" in out["error"]
+    assert "acme" not in out["names"], "what a timed-out hook registers late is ignored"
+
+
+KERNEL_HANG = '''
+import time, torch, amp_backends
+
+class Slow(amp_backends.Kernel):
+    name = "slowkernel"
+    priority = 1000
+
+    def auto_select(self, device_type):
+        return device_type == "cpu"
+
+    def unscale_and_check_(self, grads, found_inf, inv_scale):
+        time.sleep(60)
+
+@amp_backends.hookimpl
+def amp_backends_register_kernels(register):
+    register(Slow())
+'''
+
+
+def test_a_kernel_whose_ops_hang_is_rejected_in_bounded_time(tmp_path):
+    root = write_distribution(tmp_path / "kh", "kernelhang-amp", "kernelhang_amp", KERNEL_HANG, {"kh": "kernelhang_amp"})
+    code = """
+    import json, time, warnings, amp_backends
+    t = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kernel = amp_backends.get("cpu").kernel.name
+    print(json.dumps({"kernel": kernel, "seconds": time.perf_counter() - t,
+                      "warnings": [str(w.message) for w in caught]}))
+    """
+    out = run_json(code, [root], {"AMP_BACKENDS_PROBE_TIMEOUT": "1", **cpu_only_env()})
+    assert out["kernel"] == "torch" and out["seconds"] < 10
+    assert any("slowkernel" in w and "did not finish within 1 s" in w for w in out["warnings"])

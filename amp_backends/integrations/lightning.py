@@ -102,6 +102,16 @@ class AmpPrecision(ScalerSignals, Precision):
     def unscale_gradients(self, optimizer: Any) -> None:
         self.scaler.ensure_unscaled_(optimizer)
 
+    def main_params(self, optimizer: Any) -> Any:
+        """The parameters to clip (Fabric's ``clip_gradients`` asks here, after
+        :meth:`unscale_gradients`). On an iteration whose gradients overflowed, none: the scaler
+        skips that step, so there is nothing to clip, and Fabric's default
+        ``error_if_nonfinite=True`` does not raise on an overflow the scaler handles (the norm
+        Fabric returns for such a step is 0; ``precision.scaler.found_inf(optimizer)`` tells)."""
+        if self.scaler.found_inf(optimizer):
+            return iter(())
+        return super().main_params(optimizer)
+
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         self.scaler.clip_grad_norm_(optimizer, clip_val)
 
