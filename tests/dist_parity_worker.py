@@ -7,6 +7,7 @@ and torch's clip recipe (``unscale_`` then ``torch.nn.utils.clip_grad_norm_``), 
 --wrap ddp:          DDP as it comes (gradients copied back from its buckets).
 --arena:             ours keeps its gradients in ``amp_backends.flat_grads(opt)``.
 --fused:             AdamW(fused=True): the scaler's clip is folded into the optimizer's grad_scale.
+--policy:            amp_backends.precision_policy(model) (the head in float32) before wrapping, both runs.
 
 At --inject-step, inf enters rank --inject-rank's own gradient (its shard, or its local
 gradient before DDP's all-reduce): every rank must skip that step and back off.
@@ -30,6 +31,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--wrap", choices=["fsdp2", "ddp-buckets", "ddp"], required=True)
 parser.add_argument("--fused", action="store_true")
 parser.add_argument("--arena", action="store_true")
+parser.add_argument("--policy", action="store_true")
 parser.add_argument("--inject-rank", type=int, default=1)
 parser.add_argument("--inject-step", type=int, default=3)
 parser.add_argument("--steps", type=int, default=7)
@@ -48,6 +50,8 @@ def build(seed_offset: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 37), torch.nn.ReLU(),
                                 torch.nn.Linear(37, 2)).to(dev)
     first = model[0].weight
+    if args.policy:
+        amp_backends.precision_policy(model)  # before wrapping: the model's own names
     if args.wrap == "fsdp2":
         try:
             from torch.distributed.fsdp import fully_shard
@@ -101,7 +105,8 @@ for name in ("ours", "torch"):
         state["step"] = step
         opt.zero_grad()
         with torch.autocast(be.device_type, dtype=torch.float16):
-            loss = torch.nn.functional.mse_loss(net(x).float(), y)
+            out = net(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
         scaler.scale(loss).backward()
         inject(inner)
         grad_type = type(inner[0].weight.grad).__name__
@@ -136,6 +141,7 @@ dist.all_gather(gathered, ours_params)
 Path(args.out, f"rank{info.rank}.json").write_text(json.dumps({
     "rank": info.rank,
     "grad_type": grad_type,
+    "out_dtype": str(out.dtype),
     "kernel": be.kernel.name,
     "ours": ours_record,
     "torch": ref_record,

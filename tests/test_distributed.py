@@ -116,6 +116,15 @@ def test_fsdp2_scaler_and_clip_match_torch_bitwise(tmp_path):
 
 
 @needs_cpu_fsdp2
+def test_fsdp2_with_a_precision_policy(tmp_path):
+    """The policy applied before fully_shard: the head runs in float32 on sharded ranks, and the
+    scaler still matches torch's bitwise (both runs carry the same policy)."""
+    ranks = run_parity(tmp_path, "--wrap", "fsdp2", "--policy")
+    assert all(r["out_dtype"] == "torch.float32" for r in ranks)
+    _check_parity(ranks, "DTensor", bitwise=True)
+
+
+@needs_cpu_fsdp2
 def test_fsdp2_fused_optimizer_clip_folded_into_grad_scale(tmp_path):
     _check_parity(run_parity(tmp_path, "--wrap", "fsdp2", "--fused"), "DTensor", bitwise=False)
 
