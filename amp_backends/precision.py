@@ -15,6 +15,7 @@ preset :data:`RECIPE`: normalisation layers and the final classifier / LM head i
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 import functools
 from collections.abc import Callable, Sequence
@@ -57,7 +58,6 @@ OP_MODULES: dict[str, tuple[type, ...]] = {
     "embedding": (nn.Embedding,),
 }
 
-_MARK = "_amp_backends_fp32"
 #: Prefixes wrappers add to every qualified name (DDP, torch.compile): patterns match without them.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _LOW = (torch.float16, torch.bfloat16)
@@ -85,23 +85,38 @@ def _active(args: tuple[Any, ...], kwargs: dict[str, Any], extra: tuple[str, ...
     return [t for t in types if _has_autocast(t) and torch.is_autocast_enabled(t)]
 
 
-def _fp32_forward(module: nn.Module, forward: Callable[..., Any], device_types: tuple[str, ...]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run_in_fp32(*args: Any, **kwargs: Any) -> Any:
-        active = _active(args, kwargs, device_types)
+class _Fp32Forward:
+    """A selected module's ``forward``, set on the instance: autocast off and float32 inputs while
+    autocast is on, the module's own forward otherwise. A picklable object, not a closure, that
+    follows the module when it is copied (``copy.deepcopy``, as torch.compile's fake-tensor
+    propagation copies modules), so a copy never runs the original's parameters."""
+
+    def __init__(self, module: nn.Module, device_types: tuple[str, ...], previous: Any = None) -> None:
+        self.module = module
+        self.device_types = device_types
+        #: the instance's own forward before the policy (another wrapper), or None: the class's
+        self.previous = previous
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        active = _active(args, kwargs, self.device_types)
         if not active:
-            return forward(*args, **kwargs)  # outside autocast: exactly the module's own forward
+            return self._forward(*args, **kwargs)  # outside autocast: exactly the module's own forward
         if len(active) == 1 and not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
             with torch.autocast(active[0], enabled=False):  # the common case: one tensor in
-                return forward(_to_fp32(args[0]))
+                return self._forward(_to_fp32(args[0]))
         with contextlib.ExitStack() as stack:
             for device_type in active:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
             args, kwargs = tree_map(_to_fp32, (args, kwargs))
-            return forward(*args, **kwargs)
+            return self._forward(*args, **kwargs)
 
-    setattr(run_in_fp32, _MARK, True)
-    return run_in_fp32
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Fp32Forward:
+        return _Fp32Forward(copy.deepcopy(self.module, memo), self.device_types, copy.deepcopy(self.previous, memo))
 
 
 def _strip(name: str) -> str:
@@ -235,10 +250,10 @@ def precision_policy(
         for i, s in enumerate(selectors):
             if _reason(name, module, [s], head) is not None:
                 matched.add(i)
-        if getattr(module.forward, _MARK, False):
+        if isinstance(module.__dict__.get("forward"), _Fp32Forward):
             continue  # already in float32 through another policy
         previous = module.__dict__.get("forward")
-        module.forward = _fp32_forward(module, module.forward, tuple(device_types))
+        module.forward = _Fp32Forward(module, tuple(device_types), previous)
         policy._saved[name] = (module, previous)
         policy.selected[name] = reason
     unmatched = [s for i, s in enumerate(selectors) if i not in matched and s != RECIPE]
@@ -253,4 +268,4 @@ def precision_policy(
 
 def fp32_modules(model: nn.Module) -> list[str]:
     """The qualified names of the modules a policy runs in float32 (as installed now)."""
-    return [name for name, m in model.named_modules() if getattr(m.__dict__.get("forward"), _MARK, False)]
+    return [name for name, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _Fp32Forward)]

@@ -382,3 +382,29 @@ def test_the_check_command_prints_a_table_and_json(tmp_path):
     assert bad.returncode == 2 and "is not MODULE:FACTORY" in bad.stderr
     missing = subprocess.run(base[:4] + ["no_such_module_xyz:make"], capture_output=True, text=True, env=env, timeout=120)
     assert missing.returncode == 2 and "cannot import 'no_such_module_xyz'" in missing.stderr
+
+
+def test_a_policied_model_copies_and_pickles_with_its_policy():
+    """A copy runs its own parameters (torch.compile's fake-tensor propagation deep-copies
+    modules), and a whole-model pickle keeps the policy."""
+    import io
+
+    model = _model()
+    precision_policy(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[4].weight.zero_()
+        twin[4].bias.fill_(1.0)
+    x = torch.randn(2, 16)
+    cpu = amp_backends.get("cpu")
+    with cpu.autocast(torch.bfloat16):
+        assert torch.equal(twin(x), torch.ones(2, 8)), "the copy's head ran the copy's parameters"
+        assert not torch.equal(model(x), torch.ones(2, 8))
+        assert twin(x).dtype == torch.float32
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with cpu.autocast(torch.bfloat16):
+        assert torch.equal(loaded(x), model(x)) and loaded(x).dtype == torch.float32
+    assert amp_backends.precision.fp32_modules(loaded) == ["3", "4"]
