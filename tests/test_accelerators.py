@@ -10,6 +10,7 @@ Unpatched, each backend must say why it is unavailable here (or work, where the 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 
@@ -280,6 +281,21 @@ def test_hpu_is_chosen_where_gaudi_is_present(monkeypatch, fresh_registry):
     assert be.describe() == "Intel Gaudi 2 (8 device(s))"
 
 
+@pytest.mark.parametrize("answer", [True, False])
+def test_hpu_asks_the_stack_whether_fp16_is_supported(monkeypatch, fresh_registry, answer):
+    _patch_hpu(monkeypatch, generation="GAUDI3")
+    utils = types.ModuleType("habana_frameworks.torch.utils")
+    experimental = types.ModuleType("habana_frameworks.torch.utils.experimental")
+    experimental._is_fp16_supported = lambda: answer
+    utils.experimental = experimental
+    utils.__path__ = []
+    monkeypatch.setitem(sys.modules, "habana_frameworks.torch.utils", utils)
+    monkeypatch.setitem(sys.modules, "habana_frameworks.torch.utils.experimental", experimental)
+    sys.modules["habana_frameworks.torch"].__path__ = []
+    be = hpu_plugin.HPUBackend()
+    assert be.supported_dtypes() == ((torch.bfloat16, torch.float16) if answer else (torch.bfloat16,))
+
+
 def test_first_generation_gaudi_has_no_float16(monkeypatch, fresh_registry):
     _patch_hpu(monkeypatch, generation="GAUDI")
     be = hpu_plugin.HPUBackend()
@@ -299,6 +315,7 @@ def _patch_rocm(monkeypatch, arch: str = "gfx942:sramecc+:xnack-", name: str = "
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(gcnArchName=arch))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
 
 
 def test_rocm_is_named_with_its_release_and_architecture(monkeypatch):
@@ -356,4 +373,4 @@ def test_a_kernel_is_adopted_on_rocm_only_after_its_self_check(monkeypatch):
     monkeypatch.delenv("AMP_BACKENDS_KERNEL", raising=False)
     with pytest.warns(RuntimeWarning, match="failed its self-check on cuda"):
         kernel = registry.kernel_for(cuda_plugin.CUDABackend())
-    assert kernel.name == "torch" and checked == [("rocket", "cuda")]
+    assert kernel.name == "torch" and checked == [("rocket", "cuda:0")], "on the current device"

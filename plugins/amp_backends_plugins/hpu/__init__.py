@@ -5,8 +5,9 @@ Checked against Intel Gaudi's PyTorch docs and the frameworks that drive it: imp
 ``habana_frameworks.torch`` registers ``torch.hpu`` (``is_available``, ``device_count``,
 ``get_device_name``: "GAUDI", "GAUDI2", "GAUDI3"); torch's ``autocast_mode.py`` accepts bfloat16
 and float16 for hpu; Accelerate (``accelerator.py``: bf16 always on hpu) and DeepSpeed
-(``accelerator/hpu_accelerator.py``: ``communication_backend_name`` "hccl", fp16 from Gaudi 2)
-agree on the rest. First-generation Gaudi has no float16 math; no Gaudi has float64.
+(``accelerator/hpu_accelerator.py``: ``communication_backend_name`` "hccl"; ``is_fp16_supported``
+asks ``habana_frameworks.torch.utils.experimental._is_fp16_supported()``) agree on the rest.
+First-generation Gaudi has no float16 math; no Gaudi has float64.
 """
 
 from __future__ import annotations
@@ -39,12 +40,22 @@ class HPUBackend(ExtensionBackend):
         name = getattr(module, "get_device_name", None)
         return str(name()).upper() if callable(name) else "GAUDI"
 
+    def _fp16(self, module: Any) -> bool:
+        """The stack's own answer (``habana_frameworks.torch.utils.experimental._is_fp16_supported``,
+        what DeepSpeed asks), else by generation: no fp16 on first-generation Gaudi."""
+        try:
+            from habana_frameworks.torch.utils import experimental  # type: ignore[import-not-found]
+
+            return bool(experimental._is_fp16_supported())
+        except (ImportError, AttributeError):
+            return self._generation(module) != "GAUDI"
+
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
-        """bf16 on every Gaudi; fp16 from Gaudi 2 on."""
+        """bf16 on every Gaudi; fp16 where the stack says the device has it (Gaudi 2 on)."""
         module = self._load()
         if module is None or self.unavailable_reason() is not None:
             return (torch.bfloat16,)
-        return (torch.bfloat16,) if self._generation(module) == "GAUDI" else (torch.bfloat16, torch.float16)
+        return (torch.bfloat16, torch.float16) if self._fp16(module) else (torch.bfloat16,)
 
     def describe(self) -> str | None:
         module = self._load()

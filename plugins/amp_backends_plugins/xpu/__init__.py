@@ -90,7 +90,7 @@ class XPUBackend(Backend):
 
     @property
     def dist_backend(self) -> str:  # type: ignore[override]
-        """XCCL (in torch, 2.8+) where built, else oneCCL's ``ccl`` where its bindings are installed."""
+        """XCCL where torch has it (``is_xccl_available()``), else oneCCL's ``ccl`` where its bindings are installed."""
         import torch.distributed as dist
 
         xccl = getattr(dist, "is_xccl_available", None)
