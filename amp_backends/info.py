@@ -129,7 +129,7 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
             ",".join(b["supported_dtypes"]),
             ",".join(b["native_dtypes"]) or "none",
             b["kernel"],
-            b["dist_backend"],
+            b["dist_backend"] or "none",
             f"{b['package']} {b['version']}" + ("" if b["builtin"] else " (third-party)")
             + (" (generic)" if b["generic"] else ""),
         ]
