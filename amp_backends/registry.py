@@ -265,11 +265,15 @@ class Registry:
 
     def _settle_fallbacks(self) -> None:
         """Keep a fallback backend (the generic one on torch.accelerator) only where no other
-        backend serves its device type or takes its name."""
+        backend serves its device type or takes its name, and no plugin of that name was
+        switched off (AMP_BACKENDS_DISABLE_PLUGINS=cuda means no cuda, not a generic one)."""
         fallbacks = {id(b) for b, _ in self._fallbacks}
         for backend, record in self._fallbacks:
             key = backend.name.lower()
-            claimed = key in self._duplicates or any(
+            switched_off = any(  # its own plugin is installed but disabled or broken: not taken over
+                r.status != "loaded" and r.name.lower() in (key, backend.device_type) for r in self._records.values()
+            )
+            claimed = switched_off or key in self._duplicates or any(
                 id(b) not in fallbacks and (b.device_type == backend.device_type or k == key)
                 for k, (b, _, _) in self._backends.items()
             )

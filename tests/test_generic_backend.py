@@ -237,3 +237,17 @@ def test_the_generic_backend_is_not_offered_for_cpu_or_a_claimed_device(monkeypa
     assert found is not None and found.device_type == "cuda"
     names = amp_backends.names()
     assert names.count("cuda") == 1, "the cuda plugin claims the device: no generic one beside it"
+
+
+def test_a_fallback_does_not_take_over_a_device_whose_plugin_was_switched_off(monkeypatch):
+    """AMP_BACKENDS_DISABLE_PLUGINS=cuda on a CUDA build of torch: no cuda backend at all, not a
+    generic one in its place."""
+    from amp_backends_plugins import generic
+
+    monkeypatch.setattr(generic, "current_accelerator_type", lambda: "cuda")
+    monkeypatch.setenv("AMP_BACKENDS_DISABLE_PLUGINS", "cuda")
+    registry = Registry()
+    assert "cuda" not in registry.names()
+    monkeypatch.setenv("AMP_BACKENDS_DISABLE_PLUGINS", "")
+    served = [b for b, _ in Registry().backends() if b.device_type == "cuda"]
+    assert [type(b).__name__ for b in served] == ["CUDABackend"], "the cuda plugin, never a generic twin"
