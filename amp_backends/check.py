@@ -154,17 +154,21 @@ def _count(n: int) -> str:
     return str(n) if n else ""
 
 
-def _mm_dims(func: Any, args: tuple[Any, ...]) -> tuple[int, int, int, int]:
-    """(batch, M, N, K) of a matmul op."""
-    if func in (_aten.addmm.default,):
-        a, b = args[1], args[2]
-    elif func in (_aten.baddbmm.default,):
-        a, b = args[1], args[2]
-    else:
-        a, b = args[0], args[1]
-    if a.dim() == 3:
-        return a.shape[0], a.shape[1], b.shape[2], a.shape[2]
-    return 1, a.shape[0], b.shape[1], a.shape[1]
+def _matmul(func: Any, args: tuple[Any, ...]) -> tuple[str, torch.dtype, int, tuple[int, ...]]:
+    """(label, dtype, FLOPs, dimensions that need alignment) of a matmul op: mm/bmm take (a, b),
+    addmm/baddbmm (bias, a, b)."""
+    a, b = (args[1], args[2]) if func in (_aten.addmm.default, _aten.baddbmm.default) else (args[0], args[1])
+    batch, m, k, n = (a.shape[0], a.shape[1], a.shape[2], b.shape[2]) if a.dim() == 3 else (1, *a.shape, b.shape[1])
+    return f"{func.__name__.split('.')[0]} {m}x{n}x{k}", a.dtype, 2 * batch * m * n * k, (m, n, k)
+
+
+def _convolution(args: tuple[Any, ...], result: torch.Tensor) -> tuple[str, torch.dtype, int, tuple[int, ...]]:
+    """The same for ``aten.convolution`` (input, weight, bias, stride, padding, dilation,
+    transposed, output_padding, groups): the channels need alignment."""
+    x, w = args[0], args[1]
+    groups = args[8] if len(args) > 8 else 1
+    flops = 2 * result.numel() * w.shape[1] * math.prod(w.shape[2:])
+    return f"conv {x.shape[1]}->{w.shape[0]} k{'x'.join(map(str, w.shape[2:]))}", x.dtype, flops, (w.shape[0], w.shape[1] * groups)
 
 
 class _Recorder(TorchDispatchMode):
@@ -176,33 +180,12 @@ class _Recorder(TorchDispatchMode):
         self.ops: dict[str, list[tuple[str, torch.dtype, int, str | None]]] = defaultdict(list)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
+        result = func(*args, **(kwargs or {}))
         if func in _MATMULS or func in _CONVS:
-            where = self.stack[-1] if self.stack else ""
-            if func in _MATMULS:
-                batch, m, n, k = _mm_dims(func, args)
-                flops = 2 * batch * m * n * k
-                dims = (m, n, k)
-                label = f"{func.__name__.split('.')[0]} {m}x{n}x{k}"
-                dtype = args[2].dtype if func in (_aten.addmm.default, _aten.baddbmm.default) else args[0].dtype
-            else:
-                x, w = args[0], args[1]
-                out_elems = None
-                dtype = x.dtype
-                cin_per_group = w.shape[1]
-                kernel = math.prod(w.shape[2:]) if w.dim() > 2 else 1
-                result = func(*args, **kwargs)
-                out_elems = result.numel()
-                flops = 2 * out_elems * cin_per_group * kernel
-                groups = args[8] if len(args) > 8 else 1
-                dims = (w.shape[0], w.shape[1] * groups)
-                label = f"conv {x.shape[1]}->{w.shape[0]} k{'x'.join(map(str, w.shape[2:]))}"
-                misaligned = dtype in _LOW and any(d % ALIGN for d in dims)
-                self.ops[where].append((label, dtype, flops, label if misaligned else None))
-                return result
+            label, dtype, flops, dims = _matmul(func, args) if func in _MATMULS else _convolution(args, result)
             misaligned = dtype in _LOW and any(d % ALIGN for d in dims)
-            self.ops[where].append((label, dtype, flops, label if misaligned else None))
-        return func(*args, **kwargs)
+            self.ops[self.stack[-1] if self.stack else ""].append((label, dtype, flops, label if misaligned else None))
+        return result
 
 
 def _over(t: torch.Tensor | None) -> int:
@@ -383,6 +366,7 @@ def load_target(target: str, size: str = "small") -> tuple[nn.Module, Any, Calla
         if attr not in MODELS:
             raise AmpBackendsError(f"bench:{attr}: no such bench model; choose from {', '.join(MODELS)}")
         spec = MODELS[attr]
+        torch.manual_seed(0)  # the bench's initialisation: the same report every run
         inputs, targets = spec.batch(size, torch.device("cpu"), None)
         return spec.build(size), inputs, lambda out: spec.loss(out, targets)
     try:
