@@ -8,9 +8,11 @@ running torch lacks the call, so a backend can fall back to its device module.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-__all__ = ["ACCELERATOR_API", "available_accelerator_type", "current_accelerator_type", "memory_call", "privateuse1_name", "synchronize"]
+__all__ = ["ACCELERATOR_API", "autocast_dtypes", "available_accelerator_type", "current_accelerator_type", "memory_call", "privateuse1_name", "synchronize"]
 
 #: The torch release that added ``torch.accelerator`` (current_accelerator, device_count, synchronize).
 ACCELERATOR_API = "2.6"
@@ -75,3 +77,19 @@ def available_accelerator_type() -> str | None:
         return current_accelerator_type() if is_available() else None
     except Exception:  # noqa: BLE001 - a broken runtime: the backends say why
         return None
+
+
+def autocast_dtypes(device_type: str) -> tuple[torch.dtype, ...]:
+    """The low dtypes (float16, bfloat16) ``torch.autocast(device_type, dtype)`` accepts in the
+    running torch: torch warns and disables itself for the others, or refuses the device outright."""
+    accepted = []
+    for dtype in (torch.float16, torch.bfloat16):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                enabled = bool(torch.autocast(device_type, dtype=dtype)._enabled)
+            except Exception:  # noqa: BLE001 - refused outright
+                enabled = False
+        if enabled:
+            accepted.append(dtype)
+    return tuple(accepted)

@@ -20,13 +20,12 @@ serves the same device type, so a vendor plugin always wins.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
 from amp_backends import Backend, hookimpl
-from amp_backends.accelerator import ACCELERATOR_API, current_accelerator_type, privateuse1_name
+from amp_backends.accelerator import ACCELERATOR_API, autocast_dtypes, current_accelerator_type, privateuse1_name
 
 __all__ = ["AcceleratorBackend"]
 
@@ -92,17 +91,7 @@ class AcceleratorBackend(Backend):
         """The low dtypes ``torch.autocast(device_type, dtype)`` takes (it warns and disables
         itself for the others)."""
         if "dtypes" not in self._probed:
-            accepted = []
-            for dtype in _LOW:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    try:
-                        enabled = bool(torch.autocast(self.device_type, dtype=dtype)._enabled)
-                    except Exception:  # noqa: BLE001 - refused outright
-                        enabled = False
-                if enabled:
-                    accepted.append(dtype)
-            self._probed["dtypes"] = tuple(accepted)
+            self._probed["dtypes"] = autocast_dtypes(self.device_type)
         return self._probed["dtypes"]
 
     @property

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.accelerator import autocast_dtypes
 from amp_backends.errors import UnsupportedDtypeError
 
 __all__ = ["MPSBackend", "SCALER_TORCH"]
@@ -79,22 +80,9 @@ class MPSBackend(Backend):
     def _accepted(self) -> tuple[torch.dtype, ...]:
         """The dtypes torch.autocast("mps") takes in this torch, bf16 only from macOS 14."""
         if "accepted" not in self._probed:
-            import warnings
-
-            accepted = []
-            for dtype in (torch.float16, torch.bfloat16):
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    try:
-                        ok = bool(torch.autocast("mps", dtype=dtype)._enabled)
-                    except Exception:  # noqa: BLE001
-                        ok = False
-                macos = _macos()
-                if dtype == torch.bfloat16 and (macos is None or macos < BF16_MACOS):
-                    ok = False
-                if ok:
-                    accepted.append(dtype)
-            self._probed["accepted"] = tuple(accepted)
+            macos = _macos()
+            bf16_ok = macos is not None and macos >= BF16_MACOS
+            self._probed["accepted"] = tuple(d for d in autocast_dtypes("mps") if d != torch.bfloat16 or bf16_ok)
         return self._probed["accepted"]
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
