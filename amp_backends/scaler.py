@@ -506,27 +506,37 @@ class GradScaler(torch.amp.GradScaler):
         *,
         per_group: bool = False,
     ) -> torch.Tensor:
-        """Unscale (if not done yet) and clip the optimizer's gradients to ``max_norm``; the
-        total norm is returned and kept in :attr:`stats` (``grad_norm``), and with ``per_group``
-        each parameter group's norm before clipping (``group_grad_norms``), both as device
-        tensors: monitoring them costs no host sync."""
+        """Unscale (if not done yet) and clip the optimizer's gradients to ``max_norm``.
+
+        Returns the total norm of the unscaled gradients (a device tensor; inf/NaN when the
+        step will be skipped, inf when the scale has underflowed to 0). With torch's kernel
+        this is ``unscale_`` followed by ``torch.nn.utils.clip_grad_norm_``, bit for bit.
+        With a kernel that measures the norm while it unscales (Triton) one pass unscales,
+        checks and sums squares. With a fused optimizer (``AdamW(fused=True)``) the
+        gradients are only read: the clip is folded into the optimizer's ``grad_scale``.
+
+        The total norm is kept in :attr:`stats` (``grad_norm``), and with ``per_group`` each
+        parameter group's norm before clipping (``group_grad_norms``), both as device tensors:
+        monitoring them costs no host sync.
+        """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"clip_grad_norm_ takes the optimizer whose gradients to clip, got {type(optimizer).__name__}: "
                 "call scaler.clip_grad_norm_(optimizer, max_norm) (the scaler unscales per optimizer)"
             )
-        groups = self._group_norms(optimizer, *_clip_args(max_norm, norm_type)) if _flag("per_group", per_group) else None
+        max_norm, norm_type = _clip_args(max_norm, norm_type)
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step(): clip between backward and "
+                               "scaler.step(optimizer), before update()")
+        groups = self._group_norms(optimizer, norm_type) if _flag("per_group", per_group) else None
         total = self._clip_grad_norm(optimizer, max_norm, norm_type)
         self._grad_norm = total.detach()
         self._group_grad_norms = groups
         return total
 
-    def _group_norms(self, optimizer: torch.optim.Optimizer, _: float, norm_type: float) -> tuple[torch.Tensor, ...]:
+    def _group_norms(self, optimizer: torch.optim.Optimizer, norm_type: float) -> tuple[torch.Tensor, ...]:
         """Each parameter group's gradient norm, unscaled, before the clip."""
         stage = self._per_optimizer_states[id(optimizer)]["stage"] if self._enabled else OptState.UNSCALED
-        if stage is OptState.STEPPED:
-            raise RuntimeError("clip_grad_norm_() is being called after step(): clip between backward and "
-                               "scaler.step(optimizer), before update()")
         factor = None
         if stage is OptState.READY:
             if self._fused(optimizer):  # the gradients stay scaled: measure them and divide
@@ -545,30 +555,8 @@ class GradScaler(torch.amp.GradScaler):
             norms.append(norm * factor.to(norm.device) if factor is not None else norm)
         return tuple(norms)
 
-    def _clip_grad_norm(
-        self,
-        optimizer: torch.optim.Optimizer,
-        max_norm: float,
-        norm_type: float = 2.0,
-    ) -> torch.Tensor:
-        """Unscale (if not done yet) and clip the optimizer's gradients to ``max_norm``.
-
-        Returns the total norm of the unscaled gradients (a device tensor; inf/NaN when the
-        step will be skipped, inf when the scale has underflowed to 0). With torch's kernel
-        this is ``unscale_`` followed by ``torch.nn.utils.clip_grad_norm_``, bit for bit.
-        With a kernel that measures the norm while it unscales (Triton) one pass unscales,
-        checks and sums squares. With a fused optimizer (``AdamW(fused=True)``) the
-        gradients are only read: the clip is folded into the optimizer's ``grad_scale``.
-        """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"clip_grad_norm_ takes the optimizer whose gradients to clip, got {type(optimizer).__name__}: "
-                "call scaler.clip_grad_norm_(optimizer, max_norm) (the scaler unscales per optimizer)"
-            )
-        max_norm, norm_type = _clip_args(max_norm, norm_type)
-        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.STEPPED:
-            raise RuntimeError("clip_grad_norm_() is being called after step(): clip between backward and "
-                               "scaler.step(optimizer), before update()")
+    def _clip_grad_norm(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+        """:meth:`clip_grad_norm_` once its arguments are checked."""
         arena = flat_grads_of(optimizer)
         # without an arena, the walk (and sparse coalescing) comes first, as torch's recipe has it
         params = _params_with_grads(optimizer) if arena is None else None
