@@ -35,26 +35,21 @@ import warnings
 import torch
 
 import amp_backends
+from amp_backends.bench import Mode, _quartiles, _ratios, make_step
 from amp_backends.bench_models import MODELS
 
 
-def _step(be, model, opt, scaler, dtype, inputs, targets, loss) -> float:  # type: ignore[no-untyped-def]
+def _timed(be, step) -> float:  # type: ignore[no-untyped-def]
     be.synchronize()
     start = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    with be.autocast(dtype):
-        value = loss(model(inputs), targets)
-    scaler.scale(value).backward()
-    scaler.step(opt)
-    scaler.update()
+    step()
     be.synchronize()
     return time.perf_counter() - start
 
 
 def _ratio(a: list[float], b: list[float]) -> dict[str, object]:
-    ratios = sorted(x / y for x, y in zip(a, b))
-    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 4 else [ratios[0], ratios[-1]]
-    return {"median": statistics.median(ratios), "iqr": [q[0], q[-1]]}
+    low, median, high = _quartiles(_ratios(a, b))
+    return {"median": median, "iqr": [low, high]}
 
 
 def _by_hand(module: torch.nn.Module, device_type: str) -> None:
@@ -91,17 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in policy.selected:
         _by_hand(manual.get_submodule(name), be.device_type)
     inputs, targets = spec.batch(args.size, dev, None)
-    runs = {}
-    for name, model in (("none", plain), ("manual", manual), ("policy", policied)):
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), be.grad_scaler(dtype))
+    mode = Mode(f"amp-{args.dtype}", "amp", dtype)
+    steps = {name: make_step(be, model, torch.optim.AdamW(model.parameters(), lr=1e-4), spec.loss, (inputs, targets), mode)
+             for name, model in (("none", plain), ("manual", manual), ("policy", policied))}
     for _ in range(args.warmup):
-        for name in runs:
-            _step(be, *runs[name], dtype, inputs, targets, spec.loss)
-    names = list(runs)
+        for step in steps.values():
+            step()
+    names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names[r % 3:] + names[:r % 3]:
-            times[name].append(_step(be, *runs[name], dtype, inputs, targets, spec.loss))
+            times[name].append(_timed(be, steps[name]))
     result = {
         "date": datetime.date.today().isoformat(),
         "device": str(dev),
