@@ -2,169 +2,222 @@
 
     arena = amp_backends.flat_grads(optimizer)   # once, after building the optimizer
 
-Every gradient of the optimizer's parameters then lives in one flat buffer per (device, dtype),
-each starting 16 bytes aligned, and stays there: ``optimizer.zero_grad()`` (``set_to_none``
-either way) zeroes the buffers and keeps the views, and backward accumulates into them in
-place. The scaler finds the arena on the optimizer and runs unscale, check, norm and clip on
-the buffers: a constant amount of Python per (device, dtype), with the results of the
-per-tensor path, bit for bit.
+Each parameter gets a slot in one flat buffer per (device, dtype), 16 bytes aligned. Gradients
+keep torch's meaning at every point: ``.grad`` is None exactly where torch's would be (before the
+first backward, after ``zero_grad()`` with ``set_to_none=True``, for a parameter no backward
+reached), and when backward produces a gradient for a parameter whose ``.grad`` is None, a hook
+run just before torch accumulates it puts the slot's (zero) view in ``.grad``, so torch
+accumulates into the buffer in place. The scaler then unscales, checks, measures and clips whole
+buffers: a constant amount of Python per (device, dtype), with the per-tensor path's results.
 
-Gradients keep torch's meaning: a parameter whose gradient no backward produced since
-``optimizer.zero_grad()`` (``set_to_none=True``, torch's default) has ``.grad`` None when
-``optimizer.step()`` runs (a step pre-hook sets it; the next ``zero_grad`` puts the view back),
-so momentum, weight decay and Adam leave it alone exactly as without the arena; with
-``set_to_none=False`` it keeps a zero gradient, as torch's would. A backward hook per parameter
-notes which gradients arrived; an optimizer with none at all raises in ``scaler.step`` as torch's
-scaler does ("No inf checks were recorded").
+Confirming, before each of the scaler's ops, that the buffers hold the optimizer's gradients
+(``check=``):
 
-Memory: the buffers hold every gradient from ``flat_grads()`` on, where torch frees gradients at
-``zero_grad(set_to_none=True)`` and makes each one during backward. Peak memory therefore grows by
-up to the gradients' size (measured in docs/arena.md), which is the price of the constant host cost.
+- ``"refcount"`` (default): constant work per buffer and per parameter without a gradient. Every
+  slot has exactly one view alive, either in its parameter's ``.grad`` or kept by the arena, so
+  the buffer's storage is shared by a known number of tensors: a view dropped from ``.grad`` (set to
+  None, replaced, its ``.data`` swapped) or an extra reference held elsewhere changes the count. A
+  gradient that appears on a parameter without one (assigned, made by DDP or by a backward the arena
+  left to torch) is seen by looking at those parameters. Blind spot: a gradient view kept alive
+  outside (``old = p.grad``) while its ``.grad`` is replaced or set to None by hand, with no
+  backward in between.
+- ``"identity"``: every parameter's ``.grad`` is looked at (about 0.1 us each); no blind spot.
 
-What leaves a gradient outside its buffer (``model.zero_grad()`` setting it to None, a
-gradient assigned by hand, ``model.half()``, DDP with ``gradient_as_bucket_view=True``) or
-changes the parameters (``add_param_group``) is found before any op runs: that step takes the
-per-tensor path, with one warning naming the cause, and the next ``optimizer.zero_grad()``
-takes the gradients back where the parameters still fit their slots.
-
-How that is found (``check=``):
-
-- ``"identity"`` (default): per op, ``p.grad is <its view>`` for every parameter, plus the
-  checks below. No tensor is read, but it is one attribute read per parameter (about 0.1 us).
-- ``"refcount"``: only constant work per param group and per buffer: the parameter lists'
-  identity and length, and how many tensors share each buffer's memory. The arena keeps no
-  reference to the views, so a view dropped from ``p.grad`` (set to None, replaced, swapped by
-  ``.data =``, by DDP) is freed and the count falls. Blind spot: a gradient replaced while the
-  replaced view is still referenced somewhere else (``old = p.grad; p.grad = f(old)`` with
-  ``old`` alive at ``unscale_``). Use it where nothing in the loop replaces gradients by hand.
+When the count or a look says something changed, the parameters are walked once: views dropped
+with nobody else holding them are taken back (their slots zeroed), and the op runs on the buffers
+if every gradient is in its slot. Otherwise that step runs on the per-tensor path (correct results),
+with one warning naming the cause; ``optimizer.zero_grad()`` brings the gradients back.
 """
 
 from __future__ import annotations
 
-import operator
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
-from itertools import chain
 from typing import Any
 
 import torch
 
+from .eager import eager, untraced
 from .flat import ALIGN_BYTES, FlatGroup, layout, views_of
 
 __all__ = ["ALIGN_BYTES", "CHECKS", "FlatGrads", "FlatGroup", "flat_grads", "flat_grads_of", "layout"]
 
 _ATTR = "_amp_backends_flat_grads"
-#: How the arena confirms the gradients are in place (see the module docstring).
-CHECKS = ("identity", "refcount")
-_grad_of = operator.attrgetter("grad")
+#: How the arena confirms the gradients are in place (see the module docstring); the first is the default.
+CHECKS = ("refcount", "identity")
+
+
+class _Slots:
+    """One buffer's bookkeeping. Each slot's view is alive exactly once: in its parameter's
+    ``.grad`` (the slot holds a gradient) or in ``spare`` (it holds none, and is zero)."""
+
+    __slots__ = ("group", "spare", "free", "base", "ptrs")
+
+    def __init__(self, group: FlatGroup, installed: Sequence[bool]) -> None:
+        self.group = group
+        self.base = _storage_refs(group.buffer)  # the buffer alone
+        self.ptrs = self._ptrs()
+        views = views_of(group.buffer, group.offsets, group.shapes)
+        self.spare: list[torch.Tensor | None] = [None if on else v for v, on in zip(views, installed)]
+        self.free = {i for i, on in enumerate(installed) if not on}
+        for p, v, on in zip(group.params, views, installed):
+            if on:
+                p.grad = v
+
+    def _ptrs(self) -> list[int]:
+        """Each slot's address."""
+        g = self.group
+        start, size = g.buffer.data_ptr(), g.buffer.element_size()
+        return [start + off * size for off in g.offsets]
+
+    @eager
+    def reclaim(self, i: int) -> torch.Tensor | None:
+        """A view for slot ``i``, whose earlier view was dropped from ``.grad``: when no view of the
+        buffer is alive anywhere, every slot is free again (zeroed); else None (one may be held)."""
+        if _storage_refs(self.group.buffer) != self.base + len(self.free):
+            return None
+        self.fresh(reuse=True)
+        return self.spare[i]
+
+    def expected_refs(self) -> int:
+        return self.base + len(self.spare)
+
+    def fresh(self, reuse: bool) -> None:
+        """Every slot free and zero: the buffer zeroed in place, or (``reuse`` False: an old view
+        may still be held elsewhere, and must keep its values) a new buffer."""
+        g = self.group
+        if reuse:
+            g.buffer.zero_()
+            if len(self.free) == len(self.spare):  # every view is a spare already
+                return
+        else:
+            g.buffer = torch.zeros_like(g.buffer)
+            g.cache.clear()
+            self.base = _storage_refs(g.buffer)
+            self.ptrs = self._ptrs()
+        self.spare = list(views_of(g.buffer, g.offsets, g.shapes))
+        self.free = set(range(len(self.spare)))
+
+    def rezero_free(self) -> None:
+        """Zero the free slots after an op that multiplied the whole buffer (0 * inf is NaN)."""
+        if self.free:
+            torch._foreach_zero_([self.spare[i] for i in self.free])
 
 
 class FlatGrads:
     """The arena of one optimizer (see the module docstring). Made by :func:`flat_grads`."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, check: str = "identity") -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, check: str = CHECKS[0]) -> None:
         _require_known(check)
         self.optimizer = optimizer
         self.check = check
         self._structure = _structure(optimizer)
-        self._params = tuple(p for g in optimizer.param_groups for p in g["params"])
-        had_grad = {id(p) for p in self._params if p.grad is not None}
-        self.groups: tuple[FlatGroup, ...] = tuple(_build_groups(self._params))
+        self._params = tuple(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
+        self._slots: tuple[_Slots, ...] = tuple(_build(self._params))
+        self.groups: tuple[FlatGroup, ...] = tuple(s.group for s in self._slots)
+        slotted = {id(p) for g in self.groups for p in g.params}
+        #: parameters without a slot (requires_grad False when flat_grads() ran): looked at per op
+        self._slotless = tuple(p for p in self._params if id(p) not in slotted)
+        #: set when a backward left a gradient to torch (outside the buffers)
+        self._outside = False
         self._warned: set[str] = set()
         self._torch_zero_grad = optimizer.zero_grad
-        # Which slots received a gradient since the last zero_grad (a backward hook marks them):
-        # with set_to_none (torch's default) the optimizer sees None for the others, as without
-        # the arena; those are held back here until the next zero_grad puts them in place again.
-        self._slots: tuple[torch.Tensor, ...] = tuple(p for g in self.groups for p in g.params)
-        self._got = bytearray(1 if id(p) in had_grad else 0 for p in self._slots)
-        self._missing = self._got.count(0)
-        self._set_to_none = True
-        self._held: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._handles = [p.register_post_accumulate_grad_hook(self._marker(i)) for i, p in enumerate(self._slots)]
-        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
-        self._index()
+        self._handles = [p.register_hook(self._arrival(s, i)) for s in self._slots for i, p in enumerate(s.group.params)]
 
-    def _marker(self, i: int) -> Any:
-        got = self._got
+    # -- backward ----------------------------------------------------------------------
+    def _arrival(self, slots: _Slots, i: int) -> Any:
+        param = slots.group.params[i]
 
-        def mark(_: torch.Tensor) -> None:
-            if not got[i]:
-                got[i] = 1
-                self._missing -= 1
-        return mark
-
-    def _before_step(self, *_: Any) -> None:
-        """optimizer.step's pre-hook: parameters whose gradient no backward produced since
-        ``zero_grad(set_to_none=True)`` have ``.grad`` None for the step, as torch's would
-        (momentum, weight decay and Adam leave them alone)."""
-        if not self._missing or not self._set_to_none or self._held or self.problem() is not None:
-            return
-        for p, got in zip(self._slots, self._got):
-            if not got:
-                self._held.append((p, p.grad))
-                p.grad = None
-
-    def has_gradients(self) -> bool:
-        """Whether any slot received a gradient since the last zero_grad (torch's per-tensor
-        path would find some gradient), or zero_grad kept zero gradients (``set_to_none=False``)."""
-        return self._missing < len(self._slots) or not self._set_to_none
-
-    def _restore_held(self) -> None:
-        for p, view in self._held:
-            if p.grad is None:
-                p.grad = view
-        self._held = []
-
-    def _index(self) -> None:
-        # "identity": what ``p.grad`` must be, parameter by parameter (None: takes no gradient).
-        # "refcount" holds no view: dropping one from ``p.grad`` must free it.
-        self._expected: tuple[torch.Tensor | None, ...] | None = None
-        if self.check == "identity":
-            slot = {id(p): p.grad for g in self.groups for p in g.params}
-            self._expected = tuple(slot.get(id(p)) for p in self._params)
-        # tensors sharing each buffer's memory: the buffer and the views (fewer: a view was
-        # freed, or its ``.data`` swapped, as ``model.to(dtype)`` does to gradients)
-        self._refs = tuple(_storage_refs(g.buffer) for g in self.groups)
+        def arrive(grad: torch.Tensor) -> None:
+            """Before torch accumulates ``grad``: a parameter without a gradient gets its slot's
+            zero view, so torch accumulates into the buffer in place. (Never traced by dynamo, and
+            calls only untraced functions: it runs inside backward, itself never compiled.)"""
+            current = param.grad
+            if current is not None:
+                if current.data_ptr() != slots.ptrs[i]:  # a tensor put there by hand, or by DDP: noted
+                    self._outside = True
+                return
+            if grad.is_sparse or torch.is_grad_enabled():  # sparse, or create_graph: torch makes its own
+                self._outside = True
+                return
+            view = slots.spare[i]
+            if view is None:  # the view this slot gave was dropped (model.zero_grad(), p.grad = None)
+                view = slots.reclaim(i)
+                if view is None:  # some view is still alive: leave it be, torch makes a new tensor
+                    self._outside = True
+                    return
+            try:
+                param.grad = view
+            except RuntimeError:  # the parameter no longer fits its slot (model.half(), .to()): torch's own
+                self._outside = True
+                return
+            slots.spare[i] = None
+            slots.free.discard(i)
+        return untraced(arrive)
 
     # -- state -------------------------------------------------------------------------
     def problem(self) -> str | None:
-        """Why the buffers do not hold the optimizer's gradients right now, or None when they do.
+        """Why the buffers do not hold exactly the optimizer's gradients now, or None when they do.
 
-        Constant work per param group and per buffer; with ``check="identity"`` also one
-        identity test per parameter (no tensor is read)."""
+        ``"refcount"``: constant work per buffer and per parameter without a gradient; when that
+        finds a change, and always with ``"identity"``, one walk over the parameters (which also
+        takes back views dropped with nobody holding them)."""
         if _structure(self.optimizer) != self._structure:
             return ("the optimizer's parameters changed since flat_grads() (a param group added or a "
                     "parameter replaced): call amp_backends.flat_grads(optimizer) again")
-        intact = all(_storage_refs(g.buffer) >= refs for g, refs in zip(self.groups, self._refs))
-        if intact and self._expected is not None:
-            params = chain.from_iterable(g["params"] for g in self.optimizer.param_groups)
-            intact = all(map(operator.is_, map(_grad_of, params), self._expected))
-        return None if intact else self._diagnose()
+        if self.check == "refcount" and self._consistent():
+            return None
+        return self._resync()
 
-    def _diagnose(self) -> str:
-        slots = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
-        for i, p in enumerate(self._params):
-            grad, where = p.grad, slots.get(id(p))
-            if where is None:
-                if grad is not None:
-                    return f"parameter {i} had no slot (requires_grad was False at flat_grads()) but has a gradient now"
-                continue
-            group, k = where
-            if grad is None:
-                return (f"parameter {i}'s gradient was set to None: zero gradients with optimizer.zero_grad(), "
-                        "which keeps them in the arena")
-            if grad.dtype != group.dtype or grad.shape != group.shapes[k] or grad.device != group.device:
-                return (f"parameter {i}'s gradient is now {grad.dtype} {tuple(grad.shape)} on {grad.device}, its slot "
-                        f"{group.dtype} {tuple(group.shapes[k])} on {group.device} (model.half() or .to()?): call "
-                        "amp_backends.flat_grads(optimizer) again")
-            expected = None if self._expected is None else self._expected[i]
-            if grad.data_ptr() != _slot_ptr(group, k) or (expected is not None and grad is not expected):
-                return (f"parameter {i}'s gradient is a tensor outside the arena (set to None, e.g. by "
-                        "model.zero_grad(), and made anew by backward; assigned by hand; or DDP with "
-                        "gradient_as_bucket_view=True): it is taken back at the next optimizer.zero_grad()")
-        # every gradient sits in its slot, yet fewer tensors share a buffer than were made for it
-        return ("a gradient view was released from the arena and another tensor now stands in its slot's "
-                "place: it is taken back at the next optimizer.zero_grad()")
+    def _consistent(self) -> bool:
+        if self._outside:
+            return False
+        for s in self._slots:
+            if _storage_refs(s.group.buffer) != s.expected_refs():
+                return False
+            params = s.group.params
+            for i in s.free:
+                if params[i].grad is not None:
+                    return False
+        return all(p.grad is None for p in self._slotless)
+
+    def _resync(self) -> str | None:
+        """Walk the parameters: note which slots hold their parameter's gradient, take back dropped
+        views nobody holds, and say what keeps the buffers from holding every gradient."""
+        why = None
+        if any(p.grad is not None for p in self._slotless):
+            why = ("a parameter without a slot (requires_grad was False at flat_grads()) has a gradient now: "
+                   "call amp_backends.flat_grads(optimizer) again")
+        for s in self._slots:
+            g = s.group
+            held, dead = 0, []
+            for i, p in enumerate(g.params):
+                grad = p.grad
+                if grad is None:
+                    if s.spare[i] is None:
+                        dead.append(i)
+                elif _in_slot(grad, g, i):
+                    held += 1
+                    if s.spare[i] is not None:  # a view of this slot kept from before, put back by hand
+                        s.spare[i] = None
+                        s.free.discard(i)
+                else:
+                    why = why or _foreign(grad, g, i)
+            # references beyond one per spare view and one per gradient in place: views held elsewhere
+            extra = _storage_refs(g.buffer) - s.base - len(s.free) - held
+            if dead and extra == 0:  # dropped views nobody holds: their slots are free again, zeroed
+                views = views_of(g.buffer, [g.offsets[i] for i in dead], [g.shapes[i] for i in dead])
+                torch._foreach_zero_(views)
+                for i, v in zip(dead, views):
+                    s.spare[i] = v
+                    s.free.add(i)
+            elif dead:
+                why = why or ("a gradient view taken out of .grad is still referenced elsewhere, so its slot "
+                              "cannot be reused until optimizer.zero_grad()")
+        if why is None:
+            self._outside = False
+        return why
 
     def attached(self) -> bool:
         """Whether the scaler may work on the buffers now; warns once per distinct cause when not."""
@@ -175,6 +228,15 @@ class FlatGrads:
             self._warned.add(why)
             warnings.warn(f"flat_grads: {why}. This step runs on the per-tensor path.", RuntimeWarning, stacklevel=4)
         return False
+
+    def has_gradients(self) -> bool:
+        """Whether any slot holds a gradient (the per-tensor path would find one)."""
+        return any(len(s.free) < len(s.group.params) for s in self._slots)
+
+    def after_multiply(self) -> None:
+        """After an op multiplied whole buffers (unscale, clip): free slots back to zero."""
+        for s in self._slots:
+            s.rezero_free()
 
     def fits(self) -> bool:
         """Whether every parameter still matches its slot (same parameters, dtypes, shapes, devices)."""
@@ -187,32 +249,39 @@ class FlatGrads:
         )
 
     # -- zero_grad -----------------------------------------------------------------------
+    @eager
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the buffers and keep every gradient in place (``set_to_none`` either way).
-
-        Gradients that left their slots are put back (fresh views) while the parameters still
-        fit them; when the parameters changed, this is torch's ``zero_grad`` and the arena
-        stays out until :func:`flat_grads` is called again."""
-        self._restore_held()
-        healthy = self.problem() is None
-        if not healthy and not self.fits():
+        """torch's ``zero_grad``, exactly as the parameters see it (``.grad`` None, or zeroed in
+        place), at one op per buffer: the views go back to the arena, not to the allocator."""
+        if not self.fits():
             return self._torch_zero_grad(set_to_none=set_to_none)
-        with torch.no_grad():
-            for group in self.groups:
-                group.buffer.zero_()
-        self._set_to_none = bool(set_to_none)
-        self._got[:] = bytes(len(self._got))
-        self._missing = len(self._got)
-        if not healthy:
-            for group in self.groups:
-                for p, view in zip(group.params, views_of(group.buffer, group.offsets, group.shapes)):
-                    p.grad = view
-            self._index()
+        healthy = self.problem() is None
+        if not healthy:  # gradients outside the buffers: torch's zero_grad treats each one as torch would
+            self._torch_zero_grad(set_to_none=set_to_none)
+            if set_to_none:
+                for s in self._slots:  # nothing is in .grad now; a view still held elsewhere keeps its values
+                    s.fresh(reuse=_storage_refs(s.group.buffer) == s.base + len(s.free))
+                self._outside = False
+            return
+        for s in self._slots:
+            if not set_to_none:
+                s.group.buffer.zero_()  # torch zeroes each gradient in place: one op here
+                continue
+            params, spare = s.group.params, s.spare
+            held = False
+            for i in range(len(params)):
+                grad = params[i].grad
+                if grad is not None:
+                    held = held or sys.getrefcount(grad) > _GRAD_REFS  # the user keeps this gradient
+                    spare[i] = grad
+                    params[i].grad = None
+            s.free = set(range(len(params)))
+            # zeroed in place unless a gradient is still referenced elsewhere: torch would leave it be
+            s.fresh(reuse=not held and _storage_refs(s.group.buffer) == s.expected_refs())
 
     def release(self) -> None:
         """Give the optimizer back its own ``zero_grad`` and remove the arena's hooks; the
         gradients stay where they are."""
-        self._restore_held()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -234,16 +303,15 @@ class FlatGrads:
         return f"<FlatGrads {parts}>"
 
 
-def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = "identity") -> FlatGrads:
-    """Move ``optimizer``'s gradients into one aligned flat buffer per (device, dtype) and keep
-    them there (see :mod:`amp_backends.arena`). Current gradients are copied in; a parameter
-    without one has a zero view in its slot, which the optimizer does not see (``.grad`` is None
-    at ``step()``) until a backward writes it. Calling it again rebuilds the arena for the current
-    parameters (after ``add_param_group``, ``model.half()``).
+def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = CHECKS[0]) -> FlatGrads:
+    """Give ``optimizer``'s gradients one aligned flat buffer per (device, dtype) (see
+    :mod:`amp_backends.arena`). Gradients present are copied in; parameters without one keep
+    ``.grad`` None until a backward reaches them. Calling it again rebuilds the arena for the
+    current parameters (after ``add_param_group``, ``model.half()``).
 
-    ``check``: how the scaler confirms, before each op, that the gradients are still in the
-    buffers: ``"identity"`` (every parameter's ``.grad``, about 0.1 us each) or ``"refcount"``
-    (constant work; one blind spot, see the module docstring)."""
+    ``check``: how the scaler confirms, before each op, that the gradients are in the buffers:
+    ``"refcount"`` (constant work; one narrow blind spot, see the module docstring) or
+    ``"identity"`` (every parameter's ``.grad``, about 0.1 us each)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"flat_grads() takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
     _require_known(check)  # before the current arena is released: bad input changes nothing
@@ -271,11 +339,10 @@ def _structure(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int], ...]:
     return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
 
 
-def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
+def _build(params: Sequence[torch.Tensor]) -> Iterator[_Slots]:
     keyed: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    seen: set[int] = set()
     for p in params:
-        if not p.requires_grad or id(p) in seen:
+        if not p.requires_grad:
             continue
         if p.layout is not torch.strided or type(p) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(
@@ -286,7 +353,6 @@ def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
             raise TypeError(f"flat_grads(): a parameter of dtype {p.dtype} cannot have a gradient")
         if p.grad is not None and p.grad.is_sparse:  # refused before any gradient has moved
             raise TypeError("flat_grads(): sparse gradients cannot live in a flat buffer")
-        seen.add(id(p))
         keyed.setdefault((p.device, p.dtype), []).append(p)
     for (device, dtype), members in keyed.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -294,20 +360,41 @@ def _build_groups(params: Sequence[torch.Tensor]) -> Iterator[FlatGroup]:
         buffer = torch.zeros(max(total, 1), dtype=dtype, device=device)
         if buffer.data_ptr() % ALIGN_BYTES:  # every allocator here aligns far more; refuse rather than guess
             raise RuntimeError(f"flat_grads(): the {device} allocator returned a buffer not {ALIGN_BYTES}-byte aligned")
-        views = list(views_of(buffer, offsets, [p.shape for p in members]))
+        group = FlatGroup(device, dtype, buffer, tuple(members), tuple(offsets),
+                          tuple(p.numel() for p in members), tuple(p.shape for p in members))
+        present = [p.grad is not None for p in members]
         with torch.no_grad():
-            for p, view in zip(members, views):
+            for p, off in zip(members, offsets):
                 if p.grad is not None:
-                    view.copy_(p.grad)
-        for p, view in zip(members, views):
-            p.grad = view
-        del views  # held by ``p.grad`` alone
-        yield FlatGroup(device, dtype, buffer, tuple(members), tuple(offsets),
-                        tuple(p.numel() for p in members), tuple(p.shape for p in members))
+                    buffer[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        yield _Slots(group, present)
 
 
-def _slot_ptr(group: FlatGroup, k: int) -> int:
-    return group.buffer.data_ptr() + group.offsets[k] * group.buffer.element_size()
+def _in_slot(grad: torch.Tensor, group: FlatGroup, i: int) -> bool:
+    """Whether ``grad`` is a view of slot ``i`` (the buffer is alive, so no other tensor shares its address)."""
+    return (grad.data_ptr() == group.buffer.data_ptr() + group.offsets[i] * group.buffer.element_size()
+            and grad.dtype == group.dtype and grad.shape == group.shapes[i] and grad.is_contiguous())
+
+
+def _foreign(grad: torch.Tensor, group: FlatGroup, i: int) -> str:
+    if grad.dtype != group.dtype or grad.shape != group.shapes[i] or grad.device != group.device:
+        return (f"a gradient is now {grad.dtype} {tuple(grad.shape)} on {grad.device}, its slot {group.dtype} "
+                f"{tuple(group.shapes[i])} on {group.device} (model.half() or .to()?): call "
+                "amp_backends.flat_grads(optimizer) again")
+    return ("a gradient is a tensor outside the arena (assigned by hand; a DDP bucket view, with "
+            "gradient_as_bucket_view=True, or a gradient DDP filled in; or made by torch in a backward with "
+            "create_graph=True or sparse gradients): optimizer.zero_grad() brings it back")
+
+
+def _grad_refs() -> int:
+    """``sys.getrefcount`` of a ``.grad`` read into a local, when nothing else refers to it."""
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.zeros(1)
+    grad = p.grad
+    return sys.getrefcount(grad)
+
+
+_GRAD_REFS = _grad_refs()
 
 
 def _storage_refs(buffer: torch.Tensor) -> int:

@@ -6,16 +6,15 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import accelerator
+from .eager import eager
 from .errors import PerformanceWarning, UnsupportedDtypeError
+from .flat import FlatGroup, GradGroup
 from .kernels import TORCH_KERNEL, Kernel, add_sum_of_squares
-
-if TYPE_CHECKING:
-    from .flat import FlatGroup
 
 __all__ = ["Backend", "group_by_device_and_dtype", "provide"]
 
@@ -101,6 +100,20 @@ class Backend:
     #: they are handed (MPS before pytorch PR 186360): the scaler then unscales and skips such
     #: optimizers from the host, as it does every other optimizer.
     fused_steps_honour_found_inf: bool = True
+    def fused_honours_found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s fused step on this device skips itself when handed ``found_inf``
+        (else the scaler unscales and skips it from the host).
+
+        torch's fused SGD with momentum gives a parameter's first step its momentum buffer with
+        ``empty_like`` and lets the kernel fill it; a kernel that skips (found_inf) leaves it
+        uninitialised, and the next step trains on garbage (torch 2.13, CPU and CUDA kernels
+        alike). Until every parameter has its buffer, such an optimizer is skipped from the host."""
+        if not self.fused_steps_honour_found_inf:
+            return False
+        if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum") for g in optimizer.param_groups):
+            return len(optimizer.state) >= sum(len(g["params"]) for g in optimizer.param_groups)
+        return True
+
     #: The torch release the device extension was built for, e.g. ``"2.4.0"``; ``info`` warns on
     #: a mismatch with the running torch.
     built_for_torch: str | None = None
@@ -254,6 +267,37 @@ class Backend:
         """Set ``found_inf`` to 1 if the device-wide status says an overflow happened since the
         last clear, and clear it (only with :attr:`global_overflow_status`)."""
         raise NotImplementedError(f"{type(self).__name__} sets global_overflow_status: implement read_overflow_status_()")
+
+    @eager
+    def grad_op_(
+        self,
+        groups: Sequence[GradGroup],
+        found_inf: torch.Tensor,
+        inv_scale: torch.Tensor | None,
+        norm_sq: torch.Tensor | None = None,
+    ) -> dict[torch.device, torch.Tensor]:
+        """The scaler's one op over an optimizer's gradients, grouped by (device, dtype) (arena
+        buffers, or lists a walk found): unscale and check (``inv_scale`` set) or check only, adding
+        the fp32 sum of squares of the result to ``norm_sq`` when given. Returns found_inf per device:
+        ``found_inf`` itself for its own device, a copy for each other. Runs outside torch.compile."""
+        found: dict[torch.device, torch.Tensor] = {}
+        partials: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for item in groups:
+                device = item.device if isinstance(item, FlatGroup) else item[0]
+                if device not in found:
+                    found[device] = found_inf if found_inf.device == device else found_inf.to(device, copy=True)
+                    if norm_sq is not None:
+                        partials[device] = torch.zeros((), dtype=torch.float32, device=device)
+                inv = inv_scale if inv_scale is None or inv_scale.device == device else inv_scale.to(device, non_blocking=True)
+                if isinstance(item, FlatGroup):
+                    self._run_flat(item, found[device], inv, partials.get(device))
+                else:
+                    self._run_group(item[1], item[2], found[device], inv, partials.get(device))
+            if norm_sq is not None:
+                for partial in partials.values():
+                    norm_sq.add_(partial.to(norm_sq.device))
+        return found
 
     def _run_group(self, dtype: torch.dtype, grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
                    inv_scale: torch.Tensor | None, norm_sq: torch.Tensor | None) -> None:

@@ -6,24 +6,24 @@ kernels (which run on them); it depends on nothing else of the package.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
 
-__all__ = ["ALIGN_BYTES", "FlatGroup", "layout", "views_of"]
+__all__ = ["ALIGN_BYTES", "FlatGroup", "GradGroup", "layout", "views_of"]
 
 #: Every gradient starts at a multiple of this many bytes from its buffer's start (128-bit loads).
 ALIGN_BYTES = 16
-_grad_of = operator.attrgetter("grad")
 
 
 @dataclass(eq=False)
 class FlatGroup:
-    """The gradients of one (device, dtype): ``params[i].grad`` is a view of
-    ``buffer[offsets[i]:offsets[i] + numels[i]]``; the gaps between views stay zero."""
+    """The gradients of one (device, dtype): a parameter that holds a gradient holds a view of
+    ``buffer[offsets[i]:offsets[i] + numels[i]]`` as ``params[i].grad``. Every other element of the
+    buffer (the slots of parameters without a gradient, the gaps between slots) is zero whenever a
+    kernel runs on it."""
 
     device: torch.device
     dtype: torch.dtype
@@ -36,8 +36,13 @@ class FlatGroup:
     cache: dict[Any, Any] = field(default_factory=dict)
 
     def views(self) -> list[torch.Tensor]:
-        """The gradients, in slot order (the views while the arena is attached)."""
-        return list(map(_grad_of, self.params))
+        """The gradients the parameters hold, in slot order (parameters without one are left out,
+        as the per-tensor path leaves them out)."""
+        return [g for g in map(_grad_of, self.params) if g is not None]
+
+    def view(self, i: int) -> torch.Tensor:
+        """A new view of slot ``i``, shaped as its parameter."""
+        return views_of(self.buffer, self.offsets[i:i + 1], self.shapes[i:i + 1])[0]
 
     def clear_gaps_(self) -> None:
         """Zero the alignment gaps between views, for an op that reads the whole buffer.
@@ -52,6 +57,15 @@ class FlatGroup:
             gaps = self.cache["gaps"] = torch.tensor(index, dtype=torch.int64, device=self.device)
         if gaps.numel():
             self.buffer.index_fill_(0, gaps, 0)
+
+
+#: One (device, dtype) group of gradients as a backend op takes it: an arena buffer, or
+#: (device, dtype, gradients) found by walking the parameters.
+GradGroup = Union[FlatGroup, "tuple[torch.device, torch.dtype, list[torch.Tensor]]"]
+
+
+def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    return t.grad
 
 
 def _aligned(n: int, itemsize: int) -> int:
@@ -69,7 +83,14 @@ def layout(numels: Sequence[int], itemsize: int) -> tuple[list[int], int]:
     return offsets, total
 
 
-def views_of(buffer: torch.Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]) -> Iterator[torch.Tensor]:
-    """Views of ``buffer`` at ``offsets`` with ``shapes``."""
-    for off, shape in zip(offsets, shapes):
-        yield buffer[off:off + shape.numel()].view(shape)
+def views_of(buffer: torch.Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Contiguous views of ``buffer`` at ``offsets`` with ``shapes`` (one ``as_strided`` each)."""
+    return [buffer.as_strided(shape, _contiguous_strides(shape), off) for off, shape in zip(offsets, shapes)]
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

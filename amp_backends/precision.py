@@ -89,13 +89,17 @@ class _Fp32Forward:
     """A selected module's ``forward``, set on the instance: autocast off and float32 inputs while
     autocast is on, the module's own forward otherwise. A picklable object, not a closure, that
     follows the module when it is copied (``copy.deepcopy``, as torch.compile's fake-tensor
-    propagation copies modules), so a copy never runs the original's parameters."""
+    propagation copies modules), so a copy never runs the original's parameters.
 
-    def __init__(self, module: nn.Module, device_types: tuple[str, ...], previous: Any = None) -> None:
+    Every policy selecting the module holds the same wrapper (``holders``: policy id -> the device
+    types it named); the wrapper works while anyone holds it, and passes straight through once no one
+    does but something was wrapped on top of it since (an Accelerate hook, a user's own wrapper)."""
+
+    def __init__(self, module: nn.Module, previous: Any = None) -> None:
         self.module = module
-        self.device_types = device_types
         #: the instance's own forward before the policy (another wrapper), or None: the class's
         self.previous = previous
+        self.holders: dict[int, tuple[str, ...]] = {}
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -103,7 +107,10 @@ class _Fp32Forward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        active = _active(args, kwargs, self.device_types)
+        if not self.holders:
+            return self._forward(*args, **kwargs)
+        extra = tuple(t for types in self.holders.values() for t in types)
+        active = _active(args, kwargs, extra)
         if not active:
             return self._forward(*args, **kwargs)  # outside autocast: exactly the module's own forward
         if len(active) == 1 and not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
@@ -116,7 +123,9 @@ class _Fp32Forward:
             return self._forward(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Fp32Forward:
-        return _Fp32Forward(copy.deepcopy(self.module, memo), self.device_types, copy.deepcopy(self.previous, memo))
+        copied = _Fp32Forward(copy.deepcopy(self.module, memo), copy.deepcopy(self.previous, memo))
+        copied.holders = dict(self.holders)
+        return copied
 
 
 def _strip(name: str) -> str:
@@ -147,20 +156,24 @@ class PrecisionPolicy:
     model: nn.Module
     #: qualified name -> why it was selected ("BatchNorm2d", "'head'", "the head", "backend 'mlu': ...")
     selected: dict[str, str] = field(default_factory=dict)
-    _saved: dict[str, tuple[nn.Module, Any]] = field(default_factory=dict, repr=False)
+    _held: dict[str, tuple[nn.Module, _Fp32Forward]] = field(default_factory=dict, repr=False)
 
     def remove(self) -> None:
-        """Restore every selected module's ``forward`` exactly as it was."""
-        for module, previous in self._saved.values():
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous
-        self._saved.clear()
+        """Undo this policy: each module it selected runs as it would without it. A module another
+        policy still selects stays in float32; one that nothing selects any more gets its ``forward``
+        back exactly as it was (or, where something wrapped it since, a wrapper that passes through)."""
+        for module, wrapper in self._held.values():
+            wrapper.holders.pop(id(self), None)
+            if not wrapper.holders and module.__dict__.get("forward") is wrapper:
+                if wrapper.previous is None:
+                    del module.__dict__["forward"]
+                else:
+                    module.forward = wrapper.previous
+        self._held.clear()
 
     @property
     def active(self) -> bool:
-        return bool(self._saved)
+        return bool(self._held)
 
     def __enter__(self) -> PrecisionPolicy:
         return self
@@ -250,11 +263,11 @@ def precision_policy(
         for i, s in enumerate(selectors):
             if _reason(name, module, [s], head) is not None:
                 matched.add(i)
-        if isinstance(module.__dict__.get("forward"), _Fp32Forward):
-            continue  # already in float32 through another policy
-        previous = module.__dict__.get("forward")
-        module.forward = _Fp32Forward(module, tuple(device_types), previous)
-        policy._saved[name] = (module, previous)
+        wrapper = module.__dict__.get("forward")
+        if not isinstance(wrapper, _Fp32Forward):  # else another policy's: held by this one too
+            wrapper = module.forward = _Fp32Forward(module, module.__dict__.get("forward"))
+        wrapper.holders[id(policy)] = tuple(device_types)
+        policy._held[name] = (module, wrapper)
         policy.selected[name] = reason
     unmatched = [s for i, s in enumerate(selectors) if i not in matched and s != RECIPE]
     if unmatched:
@@ -268,4 +281,5 @@ def precision_policy(
 
 def fp32_modules(model: nn.Module) -> list[str]:
     """The qualified names of the modules a policy runs in float32 (as installed now)."""
-    return [name for name, m in model.named_modules() if isinstance(m.__dict__.get("forward"), _Fp32Forward)]
+    return [name for name, m in model.named_modules()
+            if isinstance(m.__dict__.get("forward"), _Fp32Forward) and m.__dict__["forward"].holders]

@@ -5,8 +5,8 @@
 
 For each size, four optimizers over identical parameters (small gradients of mixed sizes, so the
 host work, not the arithmetic, is what is timed): ours with ``amp_backends.flat_grads`` (arena,
-``check="identity"``, the default), the same with ``check="refcount"`` (constant work), ours
-without an arena (per-tensor), and ``torch.amp.GradScaler`` (the anchor). Two operations per step:
+``check="refcount"``, the default: constant work), the same with ``check="identity"`` (a look at
+every parameter), ours without an arena (per-tensor), and ``torch.amp.GradScaler`` (the anchor). Two operations per step:
 ``unscale_`` alone, and unscale + clip (ours: ``scaler.clip_grad_norm_``; torch: ``unscale_`` then
 ``torch.nn.utils.clip_grad_norm_``). Each is timed with the host clock and no device sync (on a
 GPU that is launch cost; on a CPU it includes the arithmetic), interleaved across the three, after
@@ -29,7 +29,7 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 import amp_backends
 
-KINDS = ("arena", "arena-refcount", "per-tensor", "torch")
+KINDS = ("arena", "arena-identity", "per-tensor", "torch")
 SIZES = (16, 64, 9, 128, 3, 37)  # elements per gradient, cycled: small, so that host work dominates
 
 
@@ -49,7 +49,7 @@ def _setup(n: int, device: torch.device, kind: str) -> tuple[Callable[[], object
     for p in params:
         p.grad = (torch.rand(p.shape, generator=g) + 0.5).to(device)
     if kind.startswith("arena"):
-        amp_backends.flat_grads(opt, check="refcount" if kind == "arena-refcount" else "identity")
+        amp_backends.flat_grads(opt, check="identity" if kind == "arena-identity" else "refcount")
     if kind == "torch":
         scaler: torch.amp.GradScaler = torch.amp.GradScaler(device.type, init_scale=1.0)
     else:
@@ -95,7 +95,7 @@ def _profile(n: int, device: torch.device) -> int:
     import cProfile
     import pstats
 
-    for kind in ("arena", "arena-refcount"):
+    for kind in ("arena", "arena-identity"):
         unscale, _ = _setup(n, device, kind)
         _time({kind: unscale}, device, 20)
         profile = cProfile.Profile()

@@ -154,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         src_grads = grads(gpt2, dtype, device, seed=4)
         params = [torch.nn.Parameter(torch.empty_like(t)) for t in src_grads]
-        arena = amp_backends.flat_grads(torch.optim.SGD(params, lr=0.0))
         for p, t in zip(params, src_grads):
-            p.grad.copy_(t)
+            p.grad = t.clone()
+        arena = amp_backends.flat_grads(torch.optim.SGD(params, lr=0.0))  # copies the gradients in
         group = arena.groups[0]
         views = group.views()
         n_bytes = sum(t.numel() for t in views) * views[0].element_size()

@@ -109,3 +109,16 @@ def no_amp_env(monkeypatch: pytest.MonkeyPatch):
     yield
     monkeypatch.undo()
     amp_backends.reload()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-programs", type=int, default=400,
+        help="programs the differential fuzz of the training step runs (tests/test_differential.py); "
+             "CI runs the default, thousands on demand",
+    )
+    parser.addoption(
+        "--fuzz-compiled", type=int, default=4,
+        help="of those programs, how many also run the whole step under torch.compile per backend "
+             "(eager; aot_eager and inductor take fewer)",
+    )

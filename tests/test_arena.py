@@ -113,53 +113,115 @@ def test_layout_views_aligned_per_device_and_dtype():
     arena = amp_backends.flat_grads(opt)
     assert [(g.device, g.dtype) for g in arena.groups] == [(torch.device("cpu"), torch.float32),
                                                           (torch.device("cpu"), torch.bfloat16)]
+    assert torch.equal(model[4].weight.grad, existing), "gradients present are copied in"
+    assert model[4].weight.grad._base is arena.groups[0].buffer
+    assert model[0].weight.grad is None and extra.grad is None, "no gradient yet: None, as torch has it"
+    model(torch.randn(2, 13)).sum().backward()
+    (extra.float().sum() * 2).backward()
     for group in arena.groups:
         assert group.buffer.dim() == 1 and group.buffer.data_ptr() % ALIGN_BYTES == 0
-        for p, v in zip(group.params, group.views()):
+        for p, v, off in zip(group.params, group.views(), group.offsets):
             assert p.grad is v and v.shape == p.shape and v.dtype == p.dtype
-            assert v.data_ptr() % ALIGN_BYTES == 0 and v._base is group.buffer
-    assert torch.equal(model[4].weight.grad, existing), "gradients present are copied in"
-    assert torch.count_nonzero(model[0].weight.grad) == 0, "others start at zero"
+            assert v.data_ptr() == group.buffer.data_ptr() + off * group.buffer.element_size()
+            assert v.data_ptr() % ALIGN_BYTES == 0
     assert frozen.grad is None and len(arena.groups[1].params) == 1
     assert arena.nbytes >= sum(p.numel() * p.element_size() for p in model.parameters())
     assert flat_grads_of(opt) is arena and "cpu/float32: 6" in repr(arena)
 
 
-def test_backward_accumulates_in_place_and_zero_grad_keeps_views():
+def test_gradients_are_none_where_torchs_are_and_backward_accumulates_in_place():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     arena = amp_backends.flat_grads(opt)
-    views = [p.grad for p in model.parameters()]
+    buffer = arena.groups[0].buffer
+    assert all(p.grad is None for p in model.parameters())
     x = torch.randn(4, 13)
     model(x).sum().backward()
+    views = [p.grad for p in model.parameters()]
+    assert all(v._base is buffer for v in views), "backward wrote into the arena"
     once = [v.clone() for v in views]
     model(x).sum().backward()
     for p, v, o in zip(model.parameters(), views, once):
-        assert p.grad is v and torch.allclose(v, 2 * o)
-    for set_to_none in (True, False):
-        opt.zero_grad(set_to_none=set_to_none)
-        assert all(p.grad is v for p, v in zip(model.parameters(), views))
-        assert all(torch.count_nonzero(g.buffer) == 0 for g in arena.groups)
-        model(x).sum().backward()
+        assert p.grad is v and torch.allclose(v, 2 * o), "accumulated in place"
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is v for p, v in zip(model.parameters(), views)) and torch.count_nonzero(buffer) == 0
+    del views, once, v, o
+    opt.zero_grad()  # set_to_none=True, torch's default
+    assert all(p.grad is None for p in model.parameters())
+    assert arena.groups[0].buffer is buffer, "nobody held a view: the same buffer, zeroed"
+    model(x).sum().backward()
+    assert all(p.grad._base is buffer for p in model.parameters())
     arena.release()
     assert flat_grads_of(opt) is None and "zero_grad" not in vars(opt)
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters()), "torch's zero_grad again"
 
 
+def test_a_view_kept_by_the_user_keeps_its_values_as_torchs_gradient_would():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    model(torch.randn(4, 13)).sum().backward()
+    kept = model[0].weight.grad
+    value = kept.clone()
+    opt.zero_grad()
+    assert model[0].weight.grad is None and torch.equal(kept, value), "torch would not zero a dropped gradient"
+    model(torch.randn(4, 13)).sum().backward()
+    assert torch.equal(kept, value) and model[0].weight.grad._base is arena.groups[0].buffer
+    assert arena.problem() is None
+
+
 def test_scaler_does_not_walk_the_gradients(monkeypatch):
+    import amp_backends.arena as arena_module
+    import amp_backends.gradients as gradients
+
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp_backends.flat_grads(opt)
     scaler = GradScaler("cpu", init_scale=4.0)
-    calls = []
-    monkeypatch.setattr(GradScaler, "_walk", staticmethod(lambda *a: calls.append(a) or {}))
+    scaler.scale(model(torch.randn(2, 13)).sum()).backward()
+    walks = []
+    monkeypatch.setattr(gradients, "walk", lambda *a: walks.append(a) or [])
+    monkeypatch.setattr(arena_module.FlatGrads, "_resync", lambda self: walks.append("resync"))
     be = scaler.backend
     runs = []
     monkeypatch.setattr(type(be), "_run_flat", lambda self, group, *a: runs.append(group.dtype))
-    scaler.scale(model(torch.randn(2, 13)).sum()).backward()
     scaler.unscale_(opt)
-    assert calls == [] and runs == [torch.float32], "one op per (device, dtype), no walk"
+    assert walks == [] and runs == [torch.float32], "one op per (device, dtype); no walk, no per-parameter check"
+
+
+def test_the_issues_case_model_zero_grad_and_a_parameter_used_later():
+    """Linear(2,1) and a parameter first used at step 2, gradients cleared by model.zero_grad(set_to_none=False),
+    lr 0.1, scale 1024: every step bitwise torch's scaler (the arena once let the late gradient reach the
+    optimizer still multiplied by 1024)."""
+    def run(arena, check):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(2, 1)
+        late = torch.nn.Parameter(torch.ones(1))
+        opt = torch.optim.SGD([*lin.parameters(), late], lr=0.1)
+        if arena:
+            amp_backends.flat_grads(opt, check=check)
+        scaler = (GradScaler if arena else torch.amp.GradScaler)("cpu", init_scale=1024.0)
+        history = []
+        for step in range(4):
+            lin.zero_grad(set_to_none=False)
+            late.grad = None if step == 0 else late.grad
+            y = lin(torch.ones(1, 2)) + (late * 3 if step >= 2 else 0)
+            scaler.scale(y.sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            history.append([p.detach().clone() for p in (*lin.parameters(), late)])
+        return history
+
+    reference = run(False, None)
+    for check in ("refcount", "identity"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback needed: the arena follows torch
+            got = run(True, check)
+        for step, (a, b) in enumerate(zip(got, reference)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (check, step)
+    # steps 2 and 3 move it by about 0.3 each (step 3's gradient accumulates onto step 2's), not by 307
+    assert reference[-1][2].item() == pytest.approx(0.4, abs=1e-3)
 
 
 def _step(model, opt, scaler, x, after_backward=None):
@@ -189,26 +251,20 @@ def _same_params(a, b):
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def test_model_zero_grad_falls_back_correctly_and_zero_grad_takes_them_back():
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_stays_in_the_arena_and_equals_torch(set_to_none):
     (model, opt, scaler), (ref, ref_opt, ref_scaler) = _pair()
-    x = torch.randn(4, 13)
-    _step(model, opt, scaler, x), _step(ref, ref_opt, ref_scaler, x)
-    model.zero_grad(set_to_none=True)  # leaves the arena: gradients become None, then new tensors
-    ref.zero_grad(set_to_none=True)
-    with pytest.warns(RuntimeWarning, match=r"outside the arena \(set to None, e.g. by model.zero_grad\(\).*per-tensor path"):
-        norm = _step(model, opt, scaler, x)
-    ref_norm = _step(ref, ref_opt, ref_scaler, x)
-    assert torch.equal(norm, ref_norm) and _same_params(model, ref)
     arena = flat_grads_of(opt)
-    assert arena.problem() is not None
-    opt.zero_grad()
-    ref_opt.zero_grad()
-    assert arena.problem() is None
-    assert all(p.grad._base is arena.groups[0].buffer for p in model.parameters())
+    x = torch.randn(4, 13)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        assert torch.equal(_step(model, opt, scaler, x), _step(ref, ref_opt, ref_scaler, x))
-    assert _same_params(model, ref)
+        for _ in range(3):
+            model.zero_grad(set_to_none=set_to_none)
+            ref.zero_grad(set_to_none=set_to_none)
+            assert [p.grad is None for p in model.parameters()] == [p.grad is None for p in ref.parameters()]
+            assert torch.equal(_step(model, opt, scaler, x), _step(ref, ref_opt, ref_scaler, x))
+            assert _same_params(model, ref)
+            assert all(p.grad._base is arena.groups[0].buffer for p in model.parameters())
 
 
 def test_gradient_assigned_by_hand_is_the_one_unscaled():
@@ -244,9 +300,11 @@ def test_param_group_added_later_and_dtype_change():
     opt.zero_grad()  # torch's zero_grad while the arena no longer fits
     assert late.grad is None
     arena = amp_backends.flat_grads(opt)  # rebuilt for the current parameters
+    (late * 2).sum().backward()
     assert arena.problem() is None and late.grad._base is arena.groups[0].buffer
 
     model.to(torch.float64)  # a dtype change: the gradients are new float64 tensors
+    model(torch.randn(2, 13, dtype=torch.float64)).sum().backward()
     assert "float64" in arena.problem() and "flat_grads(optimizer) again" in arena.problem()
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters()), "nothing put back into slots that no longer fit"
@@ -278,6 +336,7 @@ def test_gaps_poisoned_by_a_zero_scale_do_not_fail_later_checks():
     opt.zero_grad()
     for flat in arena.groups:
         flat.buffer.mul_(math.inf)  # what an unscale by inf leaves in the gaps
+    scaler.scale(model(x).sum()).backward()
     for p in model.parameters():
         p.grad.zero_()  # zeroed by hand: the gaps keep their NaN
     scaler.update(8.0)
@@ -302,22 +361,28 @@ def test_scaler_with_arena_pickles_and_copies():
 
 @pytest.mark.parametrize("check", ["identity", "refcount"])
 def test_each_check_finds_what_leaves_the_arena(check):
-    """set to None, replaced by hand, a view's .data swapped, a parameter added: both checks see them."""
+    """replaced by hand, assigned where there was none, a view's .data swapped, a parameter added: both
+    checks see them; a gradient set to None is torch's None, and its slot is taken back."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     arena = amp_backends.flat_grads(opt, check=check)
+    model(torch.randn(2, 13)).sum().backward()
     assert arena.problem() is None
-    w = model[0].weight
+    w, b = model[0].weight, model[0].bias
     cases = [
-        lambda: setattr(w, "grad", None),
         lambda: setattr(w, "grad", torch.zeros_like(w)),
         lambda: setattr(w.grad, "data", torch.zeros_like(w, dtype=torch.float64)),
+        lambda: (setattr(b, "grad", None), setattr(b, "grad", torch.ones_like(b))),
     ]
     for leave in cases:
         leave()
         assert arena.problem() is not None, check
         opt.zero_grad()
-        assert arena.problem() is None and w.grad._base is arena.groups[0].buffer
+        assert arena.problem() is None and all(p.grad is None for p in model.parameters())
+        model(torch.randn(2, 13)).sum().backward()
+        assert w.grad._base is arena.groups[0].buffer
+    w.grad = None
+    assert arena.problem() is None, "None is torch's own state: the slot is free again"
     opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
     assert "parameters changed" in arena.problem()
 
@@ -328,6 +393,7 @@ def test_refcount_check_blind_spot_is_the_documented_one_and_identity_sees_it():
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         arena = amp_backends.flat_grads(opt, check=check)
+        model(torch.randn(2, 13)).sum().backward()
         w = model[0].weight
         old = w.grad
         w.grad = old * 2
@@ -336,13 +402,35 @@ def test_refcount_check_blind_spot_is_the_documented_one_and_identity_sees_it():
         assert arena.problem() is not None, "once the old view is gone, both see it"
 
 
+def test_gradients_torch_makes_itself_are_seen_and_taken_back():
+    """create_graph=True (torch replaces the gradient out of place) and a gradient of a parameter made
+    while a view of its slot was still held: outside the arena, found, the step per-tensor and right."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    model(torch.randn(2, 13)).pow(2).sum().backward(create_graph=True)
+    assert arena.problem() is not None and "outside the arena" in arena.problem()
+    opt.zero_grad()
+    assert arena.problem() is None
+    model(torch.randn(2, 13)).sum().backward()
+    held = model[0].weight.grad
+    model.zero_grad()  # the view is dropped from .grad but still referenced here
+    model(torch.randn(2, 13)).sum().backward()
+    assert model[0].weight.grad._base is not arena.groups[0].buffer, "left to torch: the held view keeps its values"
+    assert arena.problem() is not None
+    del held
+    opt.zero_grad()
+    assert arena.problem() is None
+
+
 def test_check_must_be_known():
     opt = torch.optim.SGD(_model().parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="'identity', 'refcount'"):
+    with pytest.raises(ValueError, match="'refcount', 'identity'"):
         amp_backends.flat_grads(opt, check="never")
     assert flat_grads_of(opt) is None and all(p.grad is None for g in opt.param_groups for p in g["params"])
     arena = amp_backends.flat_grads(opt)
-    with pytest.raises(ValueError, match="'identity', 'refcount'"):
+    assert arena.check == "refcount", "the constant-time check is the default"
+    with pytest.raises(ValueError, match="'refcount', 'identity'"):
         amp_backends.flat_grads(opt, check="never")
     assert flat_grads_of(opt) is arena and opt.zero_grad == arena.zero_grad, "the arena in place stays"
 
@@ -410,7 +498,7 @@ def test_parameters_without_a_gradient_step_as_with_torchs_scaler(optimizer, set
             assert torch.equal(a, b), f"step {step}: parameters differ from torch's scaler"
 
 
-def test_the_optimizer_sees_none_only_for_the_step_and_views_come_back():
+def test_the_optimizer_sees_none_for_parameters_no_backward_reached():
     model = _Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     arena = amp_backends.flat_grads(opt)
@@ -420,16 +508,15 @@ def test_the_optimizer_sees_none_only_for_the_step_and_views_come_back():
     def spy(optimizer, args, kwargs):
         seen.update({n: p.grad is None for n, p in model.named_parameters()})
 
-    opt.register_step_pre_hook(spy)  # runs after the arena's pre-hook
+    opt.register_step_pre_hook(spy)
     opt.zero_grad()
     scaler.scale(model(torch.randn(4, 6), 1).sum()).backward()
     scaler.step(opt)
     scaler.update()
     assert seen == {"trunk.weight": False, "trunk.bias": False, "branch.weight": True, "branch.bias": True,
                     "early.weight": True, "early.bias": True, "out.weight": False, "out.bias": False}
-    opt.zero_grad()
-    assert arena.problem() is None, "the held-back views are in their slots again"
-    assert all(p.grad is not None and p.grad.data_ptr() for p in model.parameters())
+    assert arena.problem() is None
+    assert all(torch.count_nonzero(s.spare[i]) == 0 for s in arena._slots for i in s.free), "free slots stay zero"
 
 
 def test_an_optimizer_without_any_gradient_raises_as_torchs_scaler_does():
@@ -453,5 +540,4 @@ def test_release_removes_the_arenas_hooks():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     arena = amp_backends.flat_grads(opt)
     arena.release()
-    assert not opt._optimizer_step_pre_hooks
-    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert all(not p._backward_hooks for p in model.parameters())

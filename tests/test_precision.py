@@ -408,3 +408,118 @@ def test_a_policied_model_copies_and_pickles_with_its_policy():
     with cpu.autocast(torch.bfloat16):
         assert torch.equal(loaded(x), model(x)) and loaded(x).dtype == torch.float32
     assert amp_backends.precision.fp32_modules(loaded) == ["3", "4"]
+
+
+# -- policies compose; a policy against the same modules run in float32 by hand -------------------
+def _effective_fp32(model: nn.Module, dtype: torch.dtype) -> set[str]:
+    """The modules that run in float32 inside autocast, observed: a forward hook records each Linear's
+    and norm's output dtype."""
+    seen: dict[str, torch.dtype] = {}
+    handles = [m.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, o.dtype))
+               for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.LayerNorm))]
+    with torch.autocast("cpu", dtype=dtype):
+        model(torch.randn(3, 16))
+    for h in handles:
+        h.remove()
+    return {n for n, d in seen.items() if d == torch.float32}
+
+
+def _stack_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)), nn.Linear(16, 16),
+                         nn.Linear(16, 4))
+
+
+SELECTIONS = {"a": ["0", "1.0"], "b": ["1.0", "2"], "c": ["1"]}  # b overlaps a; c holds a parent of a and b
+
+
+@pytest.mark.parametrize("order", [("a", "b", "c"), ("b", "a", "c"), ("c", "b", "a"), ("a", "c", "b")])
+def test_stacked_and_nested_policies_compose_whatever_the_order_of_remove(order):
+    model = _stack_model()
+    policies = {k: precision_policy(model, fp32=v) for k, v in SELECTIONS.items()}
+    alone = {}
+    for k, v in SELECTIONS.items():  # what each selection runs in float32 on its own
+        m = _stack_model()
+        with precision_policy(m, fp32=v):
+            alone[k] = _effective_fp32(m, torch.bfloat16)
+    remaining = set(SELECTIONS)
+    assert _effective_fp32(model, torch.bfloat16) == set().union(*alone.values())
+    for k in order:
+        policies[k].remove()
+        remaining.discard(k)
+        expected = set().union(*(alone[r] for r in remaining)) if remaining else set()
+        assert _effective_fp32(model, torch.bfloat16) == expected, f"after removing {k}: {remaining} remain"
+    assert all("forward" not in vars(m) for m in model.modules()), "all removed: forwards exactly as before"
+
+
+def test_a_second_policy_over_the_same_module_holds_it_too():
+    model = _stack_model()
+    first = precision_policy(model, fp32=["2"])
+    second = precision_policy(model, fp32=["2"])
+    assert second.selected == {"2": "pattern '2'"} and second.active and "(removed)" not in repr(second)
+    first.remove()
+    assert _effective_fp32(model, torch.bfloat16) == {"2"}, "the second policy still asks for float32"
+    second.remove()
+    assert _effective_fp32(model, torch.bfloat16) == set()
+
+
+def test_remove_keeps_a_wrapper_added_after_the_policy():
+    """An Accelerate-style hook (module.forward replaced by a function calling the old one) added after
+    the policy survives the policy's removal; the module then runs as it would without the policy."""
+    model = _stack_model()
+    policy = precision_policy(model, fp32=["2"])
+    layer = model[2]
+    calls = []
+    inner = layer.forward
+
+    def hooked(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    layer.forward = hooked
+    assert _effective_fp32(model, torch.bfloat16) == {"2"} and calls
+    policy.remove()
+    assert layer.forward is hooked, "the later wrapper stays"
+    assert _effective_fp32(model, torch.bfloat16) == set() and len(calls) == 2
+
+
+class _Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.ModuleList([nn.Linear(12, 20), nn.LayerNorm(20), nn.Linear(20, 20), nn.GELU(),
+                                     nn.LayerNorm(20), nn.Linear(20, 7)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _by_hand(model: _Chain, x: torch.Tensor, dtype: torch.dtype, fp32: set[int]) -> torch.Tensor:
+    """The same layers, the selected ones run in float32 by hand: autocast off, float32 inputs."""
+    with torch.autocast("cpu", dtype=dtype):
+        for i, layer in enumerate(model.layers):
+            if i in fp32:
+                with torch.autocast("cpu", enabled=False):
+                    x = layer(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x)
+            else:
+                x = layer(x)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("selection", [{1, 4}, {5}, {0, 2, 5}, {1, 2, 3, 4}], ids=str)
+def test_the_policy_equals_the_same_modules_run_in_float32_by_hand(dtype, selection):
+    """Independent reference: outputs and every gradient bitwise those of a forward written by hand."""
+    policied, reference = _Chain(), _Chain()
+    x = torch.randn(6, 12)
+    with precision_policy(policied, fp32=[f"layers.{i}" for i in selection]):
+        with torch.autocast("cpu", dtype=dtype):
+            out = policied(x)
+        out.float().pow(2).sum().backward()
+    expected = _by_hand(reference, x, dtype, selection)
+    expected.float().pow(2).sum().backward()
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
+    for (name, p), q in zip(policied.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -1,0 +1,43 @@
+"""Where ``torch.compile`` stops: the scaler's work runs eagerly inside a compiled training step.
+
+torch's own scaler lives in ``torch.amp``, a module dynamo never traces: a compiled step calls its
+methods as plain Python (one graph break each) and compiles ``optimizer.step()`` on its own.
+These decorators give this package's scaler the same treatment without importing dynamo at import
+time (it is imported on first call, as torch's ``Optimizer.zero_grad`` imports it):
+
+- :func:`eager`: the function and everything it calls run uncompiled (the gradient work: host reads,
+  the kernels, the arena's checks);
+- :func:`eager_frame`: the function's own frame is not traced, but what it calls is compiled as
+  torch would compile it (``optimizer.step()`` called from the scaler's step);
+- :func:`untraced`: like :func:`eager_frame`, with no wrapper and no cost per call, for functions
+  called very often (the arena's hooks, once per parameter per backward); it imports dynamo at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from torch._compile import _disable_dynamo
+
+__all__ = ["eager", "eager_frame", "untraced"]
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def eager(fn: F) -> F:
+    """Run ``fn``, and all it calls, outside torch.compile."""
+    return _disable_dynamo(fn, recursive=True)  # type: ignore[return-value]
+
+
+def eager_frame(fn: F) -> F:
+    """Do not trace ``fn``'s own frame; the functions it calls are compiled as usual."""
+    return _disable_dynamo(fn, recursive=False)  # type: ignore[return-value]
+
+
+def untraced(fn: F) -> F:
+    """Mark ``fn``'s code as never traced by dynamo; returns ``fn`` itself. What it calls is traced
+    unless marked too: call only builtins and :func:`eager` functions from it."""
+    import torch._dynamo.decorators
+
+    return torch._dynamo.decorators.skip(fn)  # type: ignore[no-any-return]
