@@ -52,11 +52,12 @@ class _Slots:
     """One buffer's bookkeeping. Each slot's view is alive exactly once: in its parameter's
     ``.grad`` (the slot holds a gradient) or in ``spare`` (it holds none, and is zero)."""
 
-    __slots__ = ("group", "spare", "free", "base", "ptrs")
+    __slots__ = ("group", "spare", "free", "base", "ptrs", "_storage")
 
     def __init__(self, group: FlatGroup, installed: Sequence[bool]) -> None:
         self.group = group
-        self.base = _storage_refs(group.buffer)  # the buffer alone
+        self._storage = group.buffer.untyped_storage()
+        self.base = self.refs()  # the buffer alone
         self.ptrs = self._ptrs()
         views = views_of(group.buffer, group.offsets, group.shapes)
         self.spare: list[torch.Tensor | None] = [None if on else v for v, on in zip(views, installed)]
@@ -64,6 +65,10 @@ class _Slots:
         for p, v, on in zip(group.params, views, installed):
             if on:
                 p.grad = v
+
+    def refs(self) -> int:
+        """How many tensors share the buffer's memory (the buffer and this object's handle on it included)."""
+        return torch._C._storage_Use_Count(self._storage._cdata)
 
     def _ptrs(self) -> list[int]:
         """Each slot's address."""
@@ -75,7 +80,7 @@ class _Slots:
     def reclaim(self, i: int) -> torch.Tensor | None:
         """A view for slot ``i``, whose earlier view was dropped from ``.grad``: when no view of the
         buffer is alive anywhere, every slot is free again (zeroed); else None (one may be held)."""
-        if _storage_refs(self.group.buffer) != self.base + len(self.free):
+        if self.refs() != self.base + len(self.free):
             return None
         self.fresh(reuse=True)
         return self.spare[i]
@@ -87,6 +92,7 @@ class _Slots:
         """Every slot free and zero: the buffer zeroed in place, or (``reuse`` False: an old view
         may still be held elsewhere, and must keep its values) a new buffer."""
         g = self.group
+        g.dirty = False
         if reuse:
             g.buffer.zero_()
             if len(self.free) == len(self.spare):  # every view is a spare already
@@ -94,13 +100,16 @@ class _Slots:
         else:
             g.buffer = torch.zeros_like(g.buffer)
             g.cache.clear()
-            self.base = _storage_refs(g.buffer)
+            self._storage = g.buffer.untyped_storage()
+            self.base = self.refs()
             self.ptrs = self._ptrs()
         self.spare = list(views_of(g.buffer, g.offsets, g.shapes))
         self.free = set(range(len(self.spare)))
 
     def rezero_free(self) -> None:
-        """Zero the free slots after an op that multiplied the whole buffer (0 * inf is NaN)."""
+        """Zero the free slots after an op that multiplied the whole buffer by a factor that may
+        have been inf or NaN (0 * inf is NaN); the gaps are zeroed before the next op reads them."""
+        self.group.dirty = True
         if self.free:
             torch._foreach_zero_([self.spare[i] for i in self.free])
 
@@ -166,7 +175,7 @@ class FlatGrads:
         if _structure(self.optimizer) != self._structure:
             return ("the optimizer's parameters changed since flat_grads() (a param group added or a "
                     "parameter replaced): call amp_backends.flat_grads(optimizer) again")
-        if self.check == "refcount" and self._consistent():
+        if self._consistent() if self.check == "refcount" else self._each_in_place():
             return None
         return self._resync()
 
@@ -174,13 +183,28 @@ class FlatGrads:
         if self._outside:
             return False
         for s in self._slots:
-            if _storage_refs(s.group.buffer) != s.expected_refs():
+            if s.refs() != s.expected_refs():
                 return False
             params = s.group.params
             for i in s.free:
                 if params[i].grad is not None:
                     return False
         return all(p.grad is None for p in self._slotless)
+
+    def _each_in_place(self) -> bool:
+        """``"identity"``: every parameter's ``.grad`` is its slot's view, or None with the slot free
+        (about 0.1 us a parameter)."""
+        if self._outside or any(p.grad is not None for p in self._slotless):
+            return False
+        for s in self._slots:
+            for p, ptr, spare in zip(s.group.params, s.ptrs, s.spare):
+                grad = p.grad
+                if spare is None:  # the slot gave its view: it must be the gradient
+                    if grad is None or grad.data_ptr() != ptr:
+                        return False
+                elif grad is not None:  # a free slot: the parameter has no gradient
+                    return False
+        return True
 
     def _resync(self) -> str | None:
         """Walk the parameters: note which slots hold their parameter's gradient, take back dropped
@@ -205,7 +229,7 @@ class FlatGrads:
                 else:
                     why = why or _foreign(grad, g, i)
             # references beyond one per spare view and one per gradient in place: views held elsewhere
-            extra = _storage_refs(g.buffer) - s.base - len(s.free) - held
+            extra = s.refs() - s.base - len(s.free) - held
             if dead and extra == 0:  # dropped views nobody holds: their slots are free again, zeroed
                 views = views_of(g.buffer, [g.offsets[i] for i in dead], [g.shapes[i] for i in dead])
                 torch._foreach_zero_(views)
@@ -233,10 +257,12 @@ class FlatGrads:
         """Whether any slot holds a gradient (the per-tensor path would find one)."""
         return any(len(s.free) < len(s.group.params) for s in self._slots)
 
-    def after_multiply(self) -> None:
-        """After an op multiplied whole buffers (unscale, clip): free slots back to zero."""
-        for s in self._slots:
-            s.rezero_free()
+    def after_multiply(self, finite: bool = False) -> None:
+        """After an op multiplied whole buffers (unscale, clip): unless the factor is known finite
+        (``finite``), free slots back to zero and the gaps marked for zeroing."""
+        if not finite:
+            for s in self._slots:
+                s.rezero_free()
 
     def fits(self) -> bool:
         """Whether every parameter still matches its slot (same parameters, dtypes, shapes, devices)."""
@@ -260,12 +286,13 @@ class FlatGrads:
             self._torch_zero_grad(set_to_none=set_to_none)
             if set_to_none:
                 for s in self._slots:  # nothing is in .grad now; a view still held elsewhere keeps its values
-                    s.fresh(reuse=_storage_refs(s.group.buffer) == s.base + len(s.free))
+                    s.fresh(reuse=s.refs() == s.base + len(s.free))
                 self._outside = False
             return
         for s in self._slots:
             if not set_to_none:
                 s.group.buffer.zero_()  # torch zeroes each gradient in place: one op here
+                s.group.dirty = False
                 continue
             params, spare = s.group.params, s.spare
             held = False
@@ -277,7 +304,7 @@ class FlatGrads:
                     params[i].grad = None
             s.free = set(range(len(params)))
             # zeroed in place unless a gradient is still referenced elsewhere: torch would leave it be
-            s.fresh(reuse=not held and _storage_refs(s.group.buffer) == s.expected_refs())
+            s.fresh(reuse=not held and s.refs() == s.expected_refs())
 
     def release(self) -> None:
         """Give the optimizer back its own ``zero_grad`` and remove the arena's hooks; the
@@ -395,7 +422,3 @@ def _grad_refs() -> int:
 
 
 _GRAD_REFS = _grad_refs()
-
-
-def _storage_refs(buffer: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata)

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from . import accelerator
-from .eager import eager
 from .errors import PerformanceWarning, UnsupportedDtypeError
 from .flat import FlatGroup, GradGroup
 from .kernels import TORCH_KERNEL, Kernel, add_sum_of_squares
@@ -268,7 +267,6 @@ class Backend:
         last clear, and clear it (only with :attr:`global_overflow_status`)."""
         raise NotImplementedError(f"{type(self).__name__} sets global_overflow_status: implement read_overflow_status_()")
 
-    @eager
     def grad_op_(
         self,
         groups: Sequence[GradGroup],
@@ -279,7 +277,7 @@ class Backend:
         """The scaler's one op over an optimizer's gradients, grouped by (device, dtype) (arena
         buffers, or lists a walk found): unscale and check (``inv_scale`` set) or check only, adding
         the fp32 sum of squares of the result to ``norm_sq`` when given. Returns found_inf per device:
-        ``found_inf`` itself for its own device, a copy for each other. Runs outside torch.compile."""
+        ``found_inf`` itself for its own device, a copy for each other."""
         found: dict[torch.device, torch.Tensor] = {}
         partials: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():

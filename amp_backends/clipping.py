@@ -35,7 +35,7 @@ def params_with_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def group_norms(scaler: GradScaler, optimizer: torch.optim.Optimizer, norm_type: float) -> tuple[torch.Tensor, ...]:
     """Each parameter group's gradient norm, unscaled, before the clip."""
     if scaler._stage(optimizer) is OptState.READY:
-        scaler.unscale_(optimizer)
+        scaler._unscale(optimizer)
     norms = []
     for group in optimizer.param_groups:
         grads = [p.grad for p in group["params"] if p.grad is not None]
@@ -57,7 +57,7 @@ def clip(scaler: GradScaler, optimizer: torch.optim.Optimizer, max_norm: float, 
     stage = scaler._stage(optimizer)
     if stage is not OptState.READY or not (norm_type == 2.0 and scaler.backend.kernel.one_pass_norm):
         if stage is OptState.READY:
-            scaler.unscale_(optimizer)  # sets scaler._arena: the buffers hold the gradients, or not
+            scaler._unscale(optimizer)  # sets scaler._arena: the buffers hold the gradients, or not
         elif arena is not None:
             scaler._arena = arena if arena.attached() else None
         if arena is not None and scaler._arena is arena:

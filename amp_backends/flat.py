@@ -34,6 +34,9 @@ class FlatGroup:
     shapes: tuple[torch.Size, ...]
     #: Kernels keep what they derive from the layout here (Triton: its block table), built once.
     cache: dict[Any, Any] = field(default_factory=dict)
+    #: Whether the gaps may hold non-zero values: a whole-buffer multiply by a factor that may have
+    #: been inf or NaN (0 * inf is NaN) ran since they were last zeroed.
+    dirty: bool = False
 
     def views(self) -> list[torch.Tensor]:
         """The gradients the parameters hold, in slot order (parameters without one are left out,
@@ -45,10 +48,12 @@ class FlatGroup:
         return views_of(self.buffer, self.offsets[i:i + 1], self.shapes[i:i + 1])[0]
 
     def clear_gaps_(self) -> None:
-        """Zero the alignment gaps between views, for an op that reads the whole buffer.
-
-        They are zero unless a multiply by inf or NaN (an unscale at scale 0, a clip by a NaN
-        norm) reached them and no ``optimizer.zero_grad()`` came since; one small op."""
+        """Zero the alignment gaps between views, for an op that reads the whole buffer, where they
+        may be :attr:`dirty` (a multiply by inf or NaN, an unscale at scale 0 or a clip by a NaN
+        norm, reached them and no ``zero_grad()`` came since); one small op, or none."""
+        if not self.dirty:
+            return
+        self.dirty = False
         gaps = self.cache.get("gaps")
         if gaps is None:
             ends = [o + n for o, n in zip(self.offsets, self.numels)]

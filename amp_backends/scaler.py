@@ -45,9 +45,10 @@ if TYPE_CHECKING:
 __all__ = ["GradScaler", "ScalerStats"]
 
 _CLOSURE = "Closure use is not currently supported if GradScaler is enabled."
-# How an optimizer's step goes (GradScaler._route): torch's protocol, scaling off (with or
-# without check_finite), a fused step the scaler unscales and skips itself, or one that skips on the device.
-_TORCH, _UNSCALED, _CHECKED, _HOST, _FUSED = "torch", "unscaled", "checked", "host", "fused"
+# How an optimizer's step goes (GradScaler._before_step): scaling off (with or without check_finite);
+# unscaled and skipped from the host (a plain optimizer; a fused one whose kernel is not trusted with
+# found_inf); skipped on the device (fused); or the optimizer's own step(grad_scaler=...) protocol.
+_UNSCALED, _CHECKED, _PLAIN, _HOST, _FUSED, _GRAD_SCALER = "unscaled", "checked", "plain", "host", "fused", "grad_scaler"
 
 
 def _sum_on(found: Mapping[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -135,9 +136,12 @@ class GradScaler(torch.amp.GradScaler):
 
     @eager
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """torch's ``unscale_``; on a device without float64, 1/scale is computed in float32."""
-        if not self._enabled or self.backend.has_fp64:
-            return super().unscale_(optimizer)
+        """Divide the optimizer's gradients by the scale (torch's ``unscale_``, on the backend's
+        op; 1/scale in float32 where the device has no float64) and record found_inf."""
+        if self._enabled:
+            self._unscale(optimizer)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         scale, _ = self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
@@ -148,7 +152,6 @@ class GradScaler(torch.amp.GradScaler):
         state["found_inf_per_device"] = self._grad_op(optimizer, self._inv_scale(scale), found_inf, False)
         state["stage"] = OptState.UNSCALED
 
-    @eager
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -181,14 +184,18 @@ class GradScaler(torch.amp.GradScaler):
         self._arena = arena if groups else None
         found = self.backend.grad_op_(groups, found_inf, inv_scale, norm_sq)
         if self._arena is not None and inv_scale is not None:
-            self._arena.after_multiply()
+            self._arena.after_multiply(finite=self._scale_known_normal())
         if self.backend.global_overflow_status and found:
             self._status_overflow = consensus.share_status(found, self._status_overflow, self._process_group)
         elif self._process_group is not None:
             consensus.agree(found, self._process_group)
         return found
 
-    @eager
+    def _scale_known_normal(self) -> bool:
+        """Whether the host knows the scale is at least 1e-30 (so 1/scale is finite) without a read."""
+        mirror = self._telemetry.mirror
+        return mirror is not None and mirror[0] >= 1e-30
+
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scale is None or self._growth_tracker is None:
             raise RuntimeError(
@@ -214,66 +221,64 @@ class GradScaler(torch.amp.GradScaler):
         A disabled scaler forwards everything (a closure too) unless ``check_finite`` is set.
         An optimizer with ``_step_supports_amp_scaling`` skips on the device by itself: it gets
         ``grad_scale``/``found_inf`` (or ``grad_scaler=self`` where its ``step`` takes that),
-        unless its fused kernel ignores them on this device; the scaler then unscales and skips it.
+        unless its fused kernel is not trusted with them on this device; the scaler then skips it.
+        Under torch.compile this frame is not traced, and ``optimizer.step()`` is compiled as a
+        frame of its own, as with torch's scaler.
         """
-        route = self._route(optimizer)
-        if route == _TORCH:
-            result = super().step(optimizer, *args, **kwargs)  # our _maybe_opt_step runs the step
-            self._after_step(route, optimizer, False)
-            return result
-        skipped, kwargs = self._before_step(route, optimizer, args, kwargs)
-        if route == _CHECKED:
-            args = ()
-        try:
-            result = None if skipped else optimizer.step(*args, **kwargs)
-        finally:
-            if route == _FUSED:
-                optimizer.__dict__.pop("grad_scale", None)
-                optimizer.__dict__.pop("found_inf", None)
+        route, skipped, args, kwargs = self._before_step(optimizer, args, kwargs)
+        if route == _GRAD_SCALER:  # the optimizer's step takes grad_scaler=: torch's protocol
+            result = super().step(optimizer, *args, **kwargs)
+        else:
+            try:
+                result = None if skipped else optimizer.step(*args, **kwargs)
+            finally:
+                if route == _FUSED:
+                    optimizer.__dict__.pop("grad_scale", None)
+                    optimizer.__dict__.pop("found_inf", None)
         self._after_step(route, optimizer, skipped)
         return result
 
     @eager
-    def _route(self, optimizer: torch.optim.Optimizer) -> str:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[str, bool | None, tuple[Any, ...], dict[str, Any]]:
+        """How this optimizer's step goes, and what it needs before ``optimizer.step()``: whether
+        it is skipped (None: it runs and is not counted as a checked step), and its arguments."""
         if not self._enabled:
-            return _CHECKED if self._check_finite else _UNSCALED
-        if not getattr(optimizer, "_step_supports_amp_scaling", False):
-            return _TORCH
-        if not self._fused(optimizer):
-            return _HOST
-        return _TORCH if "grad_scaler" in inspect.signature(optimizer.step).parameters else _FUSED
-
-    @eager
-    def _before_step(self, route: str, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
-        """What a step needs before ``optimizer.step()``: whether it is skipped (None: it runs, and
-        is not counted as a checked step), and its keyword arguments."""
-        if route == _UNSCALED:
-            return False, kwargs
-        if route == _CHECKED:
-            return self._checked_step(optimizer, args, kwargs)
+            if not self._check_finite:
+                return _UNSCALED, False, args, kwargs
+            skipped, kwargs = self._checked_step(optimizer, args, kwargs)
+            return _CHECKED, skipped, (), kwargs
+        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        if fused and self._fused(optimizer) and "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            return _GRAD_SCALER, False, args, kwargs
         if "closure" in kwargs:
             raise RuntimeError(_CLOSURE)
         scale, _ = self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if route == _HOST:  # a fused kernel not trusted with found_inf: skipped (or unscaled) from here,
-            # with what torch's fused protocol leaves: a skipped step's gradients untouched, a run's unscaled
+        if not fused:  # torch's plain path: unscale, then skip from the host (the step's one sync)
+            if state["stage"] is OptState.READY:
+                self._unscale(optimizer)
+            if not state["found_inf_per_device"]:
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+            return _PLAIN, self._found_any(state), args, kwargs
+        if not self._fused(optimizer):  # a fused kernel not trusted with found_inf: skipped (or unscaled)
+            # from here, with what torch's fused protocol leaves: a skipped step's gradients untouched
             if state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
                 if not state["found_inf_per_device"]:
                     raise AssertionError("No inf checks were recorded for this optimizer.")
                 if self._found_any(state):
-                    return True, kwargs
+                    return _HOST, True, args, kwargs
                 found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
                 state["found_inf_per_device"] = self._grad_op(optimizer, self._inv_scale(scale), found_inf, True)
                 state["stage"] = OptState.UNSCALED
             if not state["found_inf_per_device"]:
                 raise AssertionError("No inf checks were recorded for this optimizer.")
-            return self._found_any(state), kwargs
-        # _FUSED: torch's grad_scale/found_inf protocol as torch 2.5+ runs it, on every torch: after
-        # unscale_ (or our clip) a grad_scale set on the optimizer is applied
+            return _HOST, self._found_any(state), args, kwargs
+        # torch's grad_scale/found_inf protocol as torch 2.5+ runs it, on every torch: after unscale_
+        # a grad_scale set on the optimizer is applied
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
             grad_scale = scale * getattr(optimizer, "grad_scale", 1)
@@ -282,7 +287,7 @@ class GradScaler(torch.amp.GradScaler):
         found = state["found_inf_per_device"]
         optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = _sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]
-        return False, kwargs
+        return _FUSED, False, args, kwargs
 
     def _checked_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
@@ -307,45 +312,30 @@ class GradScaler(torch.amp.GradScaler):
         if skipped is None:  # check_finite with no gradient at all: the optimizer ran, nothing was checked
             self._telemetry.nothing_stepped()
             return
-        if route in (_UNSCALED, _CHECKED, _HOST):
+        if route in (_UNSCALED, _CHECKED, _PLAIN, _HOST):
             self._telemetry.stepped(optimizer, skipped)
-            if route == _HOST:
+            if route in (_PLAIN, _HOST):
                 self._per_optimizer_states[id(optimizer)]["stage"] = OptState.STEPPED
             return
         state = self._per_optimizer_states[id(optimizer)]
-        if route == _FUSED:
-            state["stage"] = OptState.STEPPED
-        elif not getattr(optimizer, "_step_supports_amp_scaling", False):
-            return  # torch's plain step: _maybe_opt_step recorded it
+        state["stage"] = OptState.STEPPED
         found = state["found_inf_per_device"]
         if found:  # the optimizer skipped on the device: the flag stays there until someone reads it
             self._telemetry.stepped_on_device(optimizer, _sum_on(found, next(iter(found))) > 0)
         else:  # no parameter had a gradient: nothing stepped, nothing skipped
             self._telemetry.nothing_stepped()
 
-    @eager_frame
-    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
-                        *args: Any, **kwargs: Any) -> Any:
-        skipped = self._found_any(optimizer_state)  # the one host sync of a step
-        result = None if skipped else optimizer.step(*args, **kwargs)
-        self._record_step(optimizer, skipped)
-        return result
-
-    @eager
     def _found_any(self, optimizer_state: dict[str, Any]) -> bool:
+        """Whether found_inf is set on any device (a host read: the step's one sync)."""
         found = optimizer_state["found_inf_per_device"]
         return bool(_sum_on(found, next(iter(found))).item())
-
-    @eager
-    def _record_step(self, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
-        self._telemetry.stepped(optimizer, skipped)
 
     @eager
     def ensure_unscaled_(self, optimizer: torch.optim.Optimizer) -> None:
         """``unscale_(optimizer)`` unless this iteration already unscaled it (or scaling is off):
         for framework code that unscales before clipping and cannot know whether it already did."""
         if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-            self.unscale_(optimizer)
+            self._unscale(optimizer)
 
     @eager
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool | None:

@@ -323,26 +323,32 @@ def test_bad_input_is_refused():
     assert dense.grad is before, "refused before any gradient moved"
 
 
-def test_gaps_poisoned_by_a_zero_scale_do_not_fail_later_checks():
+@pytest.mark.parametrize("clear", ["model", "hand"])
+def test_gaps_poisoned_by_a_vanishing_scale_do_not_fail_later_checks(clear):
+    """A scale so small that 1/scale is inf: the unscale leaves NaN (0 * inf) in the alignment gaps and
+    free slots. Gradients then zeroed without touching the gaps (model.zero_grad(set_to_none=False),
+    or by hand): the next step's check must not see the gaps' NaN."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.ones(3))], lr=0.1)  # one never used
     arena = amp_backends.flat_grads(opt)
     assert any(g.buffer.numel() > sum(g.numels) for g in arena.groups), "the layout has gaps"
     scaler = GradScaler("cpu", init_scale=8.0)
     x = torch.randn(4, 13)
     scaler.scale(model(x).sum()).backward()
-    scaler.unscale_(opt)
-    scaler._scale.fill_(0.0)  # as after a collapse: 1/scale is inf, and 0 * inf is NaN in the gaps
-    opt.zero_grad()
-    for flat in arena.groups:
-        flat.buffer.mul_(math.inf)  # what an unscale by inf leaves in the gaps
+    scaler.update(1e-45)  # a denormal float32: 1/scale overflows to inf
     scaler.scale(model(x).sum()).backward()
-    for p in model.parameters():
-        p.grad.zero_()  # zeroed by hand: the gaps keep their NaN
+    scaler.unscale_(opt)  # torch's op checks the values it is given (finite), then multiplies by inf
+    assert any(g.buffer.isnan().any() for g in arena.groups), "the gaps took the NaN"
+    if clear == "model":
+        model.zero_grad(set_to_none=False)
+    else:
+        for p in model.parameters():
+            p.grad.zero_()
     scaler.update(8.0)
     scaler.scale(model(x).sum()).backward()
     scaler.step(opt)
     assert not scaler.last_step_skipped, "NaN in the gaps is not a gradient's NaN"
+    assert arena.problem() is None
 
 
 def test_scaler_with_arena_pickles_and_copies():
