@@ -12,7 +12,8 @@ import warnings
 
 import torch
 
-__all__ = ["ACCELERATOR_API", "autocast_dtypes", "available_accelerator_type", "current_accelerator_type", "memory_call", "privateuse1_name", "synchronize"]
+__all__ = ["ACCELERATOR_API", "autocast_dtypes", "available_accelerator_type", "current_accelerator_type", "memory_call",
+           "privateuse1_name", "process_group_backend", "synchronize"]
 
 #: The torch release that added ``torch.accelerator`` (current_accelerator, device_count, synchronize).
 ACCELERATOR_API = "2.6"
@@ -93,3 +94,19 @@ def autocast_dtypes(device_type: str) -> tuple[torch.dtype, ...]:
         if enabled:
             accepted.append(dtype)
     return tuple(accepted)
+
+
+def process_group_backend(device_type: str) -> str:
+    """The torch.distributed backend that can reduce tensors of ``device_type``: torch's default for
+    it where that backend's declared capability includes the device type (gloo reduces cpu and cuda
+    tensors only; torch maps mps to gloo all the same), else one an extension registered for it
+    (``torch.distributed.Backend.register_backend(..., devices=[...])``); "" where none can."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return ""
+    capability = getattr(dist.Backend, "backend_capability", {})
+    name = dist.Backend.default_device_backend_map.get(device_type)
+    if name and device_type in capability.get(name, ()):
+        return name
+    return next((b for b, devices in capability.items() if device_type in devices and b != "fake"), "")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import accelerator
+from . import accelerator, fused
 from .errors import PerformanceWarning, UnsupportedDtypeError
 from .flat import FlatGroup, GradGroup
 from .kernels import TORCH_KERNEL, Kernel, add_sum_of_squares
@@ -70,8 +70,11 @@ class Backend:
     device_type: str = ""
     #: Autocast dtype used when none is given.
     default_dtype: torch.dtype = torch.float16
-    #: ``torch.distributed`` process-group backend for this device.
+    #: ``torch.distributed`` process-group backend that reduces this device's tensors ("" where none
+    #: can: ``init_process_group`` then refuses, naming :attr:`dist_install_hint`).
     dist_backend: str = "gloo"
+    #: What to install for a process-group backend where :attr:`dist_backend` is "".
+    dist_install_hint: str = ""
     #: Automatic choice picks the available backend with the highest priority.
     priority: int = 50
 
@@ -95,19 +98,42 @@ class Backend:
     #: :data:`amp_backends.precision.OP_MODULES`, e.g. ``"binary_cross_entropy"``): a precision
     #: policy built with this backend runs the modules calling them in float32.
     fp32_ops: tuple[str, ...] = ()
-    #: False where the device's fused optimizers (``Adam(fused=True)``) ignore the ``found_inf``
-    #: they are handed (MPS before pytorch PR 186360): the scaler then unscales and skips such
-    #: optimizers from the host, as it does every other optimizer.
+    #: What the device's fused optimizer kernels (``Adam/AdamW/SGD(fused=True)``) do with the
+    #: scaler's ``found_inf``, per kind (``"adam"``, ``"adamw"``, ``"sgd"``, or a vendor optimizer's
+    #: qualified class name): a status of :mod:`amp_backends.fused` (HONOURS, IGNORES, REJECTS, ABSENT,
+    #: REFUSED) or ``(status, "the source it is known from")``. A kind not declared is probed once on
+    #: the device; None probes every kind. The scaler hands found_inf only to a kernel that honours
+    #: it and skips every other fused step itself; an ABSENT or REFUSED one is refused with the reason.
+    fused_found_inf: Mapping[str, str | tuple[str, str]] | None = None
+    #: False: every fused kernel of the device ignores found_inf (older form of the declaration above).
     fused_steps_honour_found_inf: bool = True
+
+    def fused_kernel(self, optimizer: torch.optim.Optimizer) -> fused.FusedKernel:
+        """What ``optimizer``'s fused kernel does on this device: as declared in
+        :attr:`fused_found_inf`, else probed once on the device (cached per class and defaults)."""
+        if not self.fused_steps_honour_found_inf:
+            return fused.FusedKernel(fused.IGNORES, f"backend {self.name!r}: fused_steps_honour_found_inf = False")
+        kind = fused.kind_of(optimizer)
+        declared = (self.fused_found_inf or {}).get(kind)
+        if declared is not None:
+            status, note = (declared, "declared") if isinstance(declared, str) else declared
+            return fused.FusedKernel(status, f"backend {self.name!r}: {note}")
+        cache = self.__dict__.setdefault("_fused_probed", {})
+        key = (type(optimizer), repr(sorted(optimizer.defaults.items())))
+        if key not in cache:
+            cache[key] = fused.probe(optimizer, self.device())
+        return cache[key]
+
     def fused_honours_found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s fused step on this device skips itself when handed ``found_inf``
-        (else the scaler unscales and skips it from the host).
+        (else the scaler skips it from the host).
 
-        torch's fused SGD with momentum gives a parameter's first step its momentum buffer with
+        torch's fused SGD with momentum gives a parameter's first momentum buffer with
         ``empty_like`` and lets the kernel fill it; a kernel that skips (found_inf) leaves it
-        uninitialised, and the next step trains on garbage (torch 2.13, CPU and CUDA kernels
-        alike). Until every parameter has its buffer, such an optimizer is skipped from the host."""
-        if not self.fused_steps_honour_found_inf:
+        uninitialised, and the next step trains on garbage (torch 2.13; CPU and CUDA kernels, and
+        op-plugin's and torch_musa's, have the same early return). Until every parameter has its
+        buffer, such an optimizer is skipped from the host."""
+        if self.fused_kernel(optimizer).status != fused.HONOURS:
             return False
         if isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum") for g in optimizer.param_groups):
             return len(optimizer.state) >= sum(len(g["params"]) for g in optimizer.param_groups)

@@ -57,9 +57,11 @@ def init_process_group(backend: str | Backend | None = None, **kwargs: Any) -> D
     ``torch.distributed.init_process_group``."""
     be = backend if isinstance(backend, Backend) else get(backend)
     if not be.dist_backend:
+        hint = f"{be.dist_install_hint}; or " if be.dist_install_hint else ""
         raise AmpBackendsError(
-            f"backend {be.name!r} has no torch.distributed process-group backend for {be.device_type!r} tensors: "
-            "train on one device, or pass backend='cpu' to run the ranks on CPUs"
+            f"backend {be.name!r} has no torch.distributed process-group backend that can reduce "
+            f"{be.device_type!r} tensors (gloo reduces cpu and cuda tensors only): {hint}train on one device, "
+            "or pass backend='cpu' to run the ranks on CPUs"
         )
     missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
     if missing:

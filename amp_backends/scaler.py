@@ -24,6 +24,7 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from . import clipping, consensus
+from . import fused as fused_kernels
 from .arena import FlatGrads
 from .backend import provide
 from .eager import eager, eager_frame
@@ -207,6 +208,15 @@ class GradScaler(torch.amp.GradScaler):
     def _stage(self, optimizer: torch.optim.Optimizer) -> OptState:
         return self._per_optimizer_states[id(optimizer)]["stage"] if self._enabled else OptState.UNSCALED
 
+    def _refuse_unrunnable(self, optimizer: torch.optim.Optimizer) -> None:
+        """A fused optimizer the device cannot run at all is refused before anything changes."""
+        kernel = self.backend.fused_kernel(optimizer)
+        if kernel.status in (fused_kernels.ABSENT, fused_kernels.REFUSED):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}(fused=True) cannot run on {self.backend.name!r} "
+                f"({kernel.status}): {kernel.note}"
+            )
+
     def _fused(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` gets ``grad_scale``/``found_inf`` and skips on the device: it
         supports AMP scaling, and the backend's fused kernel for it honours found_inf."""
@@ -249,6 +259,8 @@ class GradScaler(torch.amp.GradScaler):
             skipped, kwargs = self._checked_step(optimizer, args, kwargs)
             return _CHECKED, skipped, (), kwargs
         fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        if fused:
+            self._refuse_unrunnable(optimizer)
         if fused and self._fused(optimizer) and "grad_scaler" in inspect.signature(optimizer.step).parameters:
             return _GRAD_SCALER, False, args, kwargs
         if "closure" in kwargs:

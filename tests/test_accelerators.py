@@ -24,6 +24,8 @@ from amp_backends_plugins import hpu as hpu_plugin
 from amp_backends_plugins import mps as mps_plugin
 from amp_backends_plugins import xpu as xpu_plugin
 
+from conftest import run_json
+
 
 @pytest.fixture
 def fresh_registry(monkeypatch):
@@ -105,19 +107,40 @@ def test_xpu_arc_without_float64_uses_the_float32_inverse_scale(monkeypatch, fre
     monkeypatch.setattr(xpu_plugin.importlib.util, "find_spec",
                         lambda name: object() if name == "oneccl_bindings_for_pytorch" else None)
     assert be.dist_backend == "ccl", "oneCCL's bindings where torch has no XCCL"
+    monkeypatch.setattr(xpu_plugin.importlib.util, "find_spec", lambda name: None)
+    assert be.dist_backend == "", "neither: no process group (gloo cannot reduce xpu tensors)"
+    with pytest.raises(amp_backends.AmpBackendsError, match=r"can reduce 'xpu' tensors \(gloo reduces cpu and cuda "
+                                                             r"tensors only\): use a torch XPU build with XCCL.*oneccl"):
+        amp_backends.distributed.init_process_group(be)
     scale = torch.full((), 2.0**16)
     inv = amp_backends.GradScaler(be, init_scale=2.0**16)._inv_scale(scale)
     assert inv.dtype == torch.float32 and inv.item() == 2.0**-16
 
 
+def test_a_process_group_backend_only_where_it_can_reduce_the_devices_tensors():
+    """torch's declared capabilities decide: gloo for cpu, nccl for cuda, none for mps (torch maps mps
+    to gloo, which cannot reduce mps tensors) or an unknown device; an extension's registered backend
+    for its device type (tested in a subprocess: registering changes torch's tables)."""
+    from amp_backends.accelerator import process_group_backend
+
+    assert process_group_backend("cpu") == "gloo" and process_group_backend("cuda") == "nccl"
+    assert process_group_backend("mps") == "" and process_group_backend("acme") == ""
+    out = run_json("""
+import json, torch.distributed as dist
+from amp_backends.accelerator import process_group_backend
+dist.Backend.register_backend("acmecl", lambda *a: None, devices=["acme"])
+print(json.dumps(process_group_backend("acme")))
+""")
+    assert out == "acmecl"
+
+
 # -- mps ----------------------------------------------------------------------------------------
-def _patch_mps(monkeypatch, *, macos=(14, 5), torch_version=(2, 13), unscale_ok=True, fused_ok=True) -> None:
+def _patch_mps(monkeypatch, *, macos=(14, 5), torch_version=(2, 13), unscale_ok=True) -> None:
     monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(mps_plugin, "_macos", lambda: macos)
     monkeypatch.setattr(mps_plugin, "_torch_version", lambda: torch_version)
     monkeypatch.setattr(mps_plugin, "_unscale_keeps_values", lambda device: unscale_ok)
-    monkeypatch.setattr(mps_plugin, "_fused_adam_skips", lambda device: fused_ok)
 
 
 needs_mps_autocast = pytest.mark.skipif(
@@ -141,9 +164,9 @@ def test_mps_is_chosen_where_torch_reports_it(monkeypatch, fresh_registry):
     assert be.name == "mps", "never cpu silently on an Apple GPU"
     assert be.supported_dtypes() == (torch.float16, torch.bfloat16)
     assert be.has_fp64 is False and be.dist_backend == ""
-    assert be.unscale_dtypes is None and be.fused_steps_honour_found_inf is True
+    assert be.unscale_dtypes is None and be.fused_found_inf is None, "fused kernels: probed on the device"
     assert be.grad_scaler().is_enabled()
-    with pytest.raises(amp_backends.AmpBackendsError, match="no torch.distributed process-group backend for 'mps'"):
+    with pytest.raises(amp_backends.AmpBackendsError, match="no torch.distributed process-group backend that can reduce 'mps' tensors"):
         amp_backends.distributed.init_process_group(be)
 
 
@@ -169,19 +192,16 @@ def test_mps_scaler_before_torch_2_8_is_refused_with_the_version(monkeypatch, fr
 
 @needs_mps_autocast
 def test_mps_device_bugs_are_guarded_where_probed(monkeypatch, fresh_registry):
-    _patch_mps(monkeypatch, unscale_ok=False, fused_ok=False)
+    _patch_mps(monkeypatch, unscale_ok=False)
     be = mps_plugin.MPSBackend()
     assert be.unscale_dtypes == (torch.float32,), "fp16/bf16 gradients go through float32 copies"
-    assert be.fused_steps_honour_found_inf is False
-    text = be.describe()
-    assert "unscaled through float32" in text and "skipped from the host" in text
+    assert "unscaled through float32" in be.describe()
 
 
-def test_the_mps_probes_detect_the_bugs_they_guard(monkeypatch):
-    """The probes themselves, run on the CPU: torch's correct kernels pass; a kernel that zeroes
-    half-precision values, or a fused Adam that ignores found_inf, is caught."""
+def test_the_mps_unscale_probe_detects_the_bug_it_guards(monkeypatch):
+    """The probe itself, run on the CPU: torch's correct kernel passes; a kernel that zeroes
+    half-precision values is caught. (The fused-kernel probe: tests/test_fused.py.)"""
     assert mps_plugin._unscale_keeps_values("cpu") is True
-    assert mps_plugin._fused_adam_skips("cpu") is True
     real = torch._amp_foreach_non_finite_check_and_unscale_
 
     def zeroing(grads, found, inv):
@@ -192,16 +212,6 @@ def test_the_mps_probes_detect_the_bugs_they_guard(monkeypatch):
 
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", zeroing)
     assert mps_plugin._unscale_keeps_values("cpu") is False
-    monkeypatch.undo()
-
-    class IgnoringAdam(torch.optim.Adam):
-        def step(self, closure=None):
-            self.__dict__.pop("found_inf", None)
-            self.__dict__.pop("grad_scale", None)
-            return super().step(closure)
-
-    monkeypatch.setattr(torch.optim, "Adam", IgnoringAdam)
-    assert mps_plugin._fused_adam_skips("cpu") is False
 
 
 class _BuggyFusedSGD(torch.optim.SGD):

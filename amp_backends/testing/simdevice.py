@@ -28,7 +28,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 __all__ = ["raw_of", "install", "installed_name", "overflow_status", "clear_overflow_status",
-           "LOWER_PRECISION_OPS", "FP32_OPS", "PROMOTE_OPS"]
+           "LOWER_PRECISION_OPS", "FP32_OPS", "PROMOTE_OPS", "absent", "ignoring_found_inf", "refusing"]
 
 #: Ops that run in the autocast dtype (CUDA's lower_precision_fp list, at ATen level: torch's
 #: ``aten/src/ATen/autocast_mode.h`` ``AT_FORALL_LOWER_PRECISION_FP``, which the vendors'
@@ -321,6 +321,43 @@ def _unscale_kernel(dtypes: tuple[torch.dtype, ...] | None, max_elements: int | 
     return kernel
 
 
+# -- an extension's own kernels for an op (fused optimizers differ between the real stacks) -------
+def _overload(qualified: str) -> Any:
+    name, _, overload = qualified.partition(".")
+    return getattr(getattr(torch.ops.aten, name), overload or "default")
+
+
+def ignoring_found_inf(qualified: str) -> Any:
+    """A fused optimizer kernel that takes ``grad_scale`` and ``found_inf`` and reads neither: it
+    steps on the gradients as they are (op-plugin's ``_fused_adamw_``)."""
+    op = _overload(qualified)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        kwargs = {**kwargs, "grad_scale": None, "found_inf": None}
+        return _fallback(op, *args, **kwargs)
+
+    return kernel
+
+
+def absent(qualified: str) -> Any:
+    """No kernel for the op on the device: the dispatcher's error for a backend without one."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"Could not run 'aten::{qualified}' with arguments from the 'PrivateUse1' backend. This could be "
+            "because the operator doesn't exist for this backend."
+        )
+
+    return kernel
+
+
+def refusing(message: str) -> Any:
+    """A kernel the extension registers only to refuse the op (torch_musa's fused Adam): a RuntimeError."""
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(message)
+
+    return kernel
+
+
 class _DeviceModule(types.ModuleType):
     """``torch.<name>``: the device module PyTorch asks for availability and AMP dtypes."""
 
@@ -390,6 +427,7 @@ def install(
     unscale_large_message: str = "amp_unscale: a tensor of {numel} elements exceeds the kernel's limit of {limit}",
     saturation: bool = False,
     module_class: type | None = None,
+    kernels: dict[str, Any] | None = None,
 ) -> types.ModuleType:
     """Register the simulated device as ``name`` (once per process) and return its device module.
 
@@ -397,7 +435,9 @@ def install(
     raise under autocast, as CUDA's ``binary_cross_entropy`` does). ``unscale_*``: the limits of
     the extension's unscale kernel and its error texts (``{dtype}``: the ScalarType name;
     ``{numel}``/``{limit}``: sizes). ``saturation``: inf/NaN results saturate and set a
-    device-wide overflow status (Ascend without inf/NaN mode)."""
+    device-wide overflow status (Ascend without inf/NaN mode). ``kernels``: the extension's own
+    kernels for ATen overloads (``"_fused_adamw_"`` -> :func:`ignoring_found_inf` ...); every other op
+    runs torch's CPU kernel."""
     if _STATE["name"] is not None:
         if _STATE["name"] != name:
             raise RuntimeError(
@@ -422,6 +462,8 @@ def install(
     aten.impl("_amp_foreach_non_finite_check_and_unscale_",
               _unscale_kernel(unscale_dtypes, unscale_max_elements, unscale_message, unscale_large_message),
               "PrivateUse1")
+    for qualified, kernel in (kernels or {}).items():
+        aten.impl(qualified, kernel, "PrivateUse1")
     _register_autocast(aten, fp32_extra, banned)
     _STATE["libs"] = [fallback, aten]
     torch.__future__.set_swap_module_params_on_conversion(True)

@@ -200,36 +200,66 @@ def test_unscale_never_zeroes_finite_low_precision_gradients(backend, dtype):
     assert bool((grads[0].cpu() != 0).all()), "a finite non-zero gradient became zero"
 
 
-def _fused_adam(params):
+_FUSED = {
+    "adam": lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.1, fused=True),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
+}
+
+
+def _fused_optimizer(kind, params):
     try:
-        return torch.optim.Adam(params, lr=0.1, fused=True)
+        return _FUSED[kind](params)
     except (RuntimeError, ValueError) as exc:
-        pytest.skip(f"no fused Adam on this device: {exc}")
+        pytest.skip(f"torch makes no fused {kind} for this device: {exc}")
 
 
-def test_fused_optimizer_honours_found_inf(backend):
-    """A fused optimizer handed found_inf = 1 leaves the parameters alone (MPS's fused Adam once
-    ignored it: pytorch PR 186360), where the backend declares so; and through the scaler a step
-    with an inf gradient is skipped with any fused optimizer, declared or not."""
+@pytest.mark.parametrize("kind", list(_FUSED))
+def test_fused_kernels_do_what_the_backend_declares(backend, kind):
+    """Each fused optimizer kind (Adam, AdamW, SGD), handed found_inf = 1 on the device: what its
+    kernel really does (it skips, ignores found_inf, refuses it, has no kernel, or refuses the
+    optimizer) is what the backend says (``Backend.fused_found_inf``, else probed). A kernel that steps
+    although found_inf was set, declared as honouring it, trains on scaled and overflowed gradients:
+    op-plugin's _fused_adamw_ on Ascend does exactly that."""
+    from amp_backends import fused
+
     dev = backend.device()
-    if backend.fused_steps_honour_found_inf:
-        p = torch.ones(4, device=dev, requires_grad=True)
-        p.grad = torch.ones_like(p)
-        opt = _fused_adam([p])
-        opt.grad_scale = torch.ones((), device=dev)
-        opt.found_inf = torch.ones((), device=dev)
-        try:
-            opt.step()
-        except RuntimeError as exc:
-            pytest.skip(f"no fused Adam kernel on this device: {exc}")
-        assert torch.equal(p.detach().cpu(), torch.ones(4)), (
-            "the device's fused Adam stepped although found_inf was set: declare "
-            "fused_steps_honour_found_inf = False on the backend")
+    opt = _fused_optimizer(kind, [torch.nn.Parameter(torch.ones(4, device=dev))])
+    said = backend.fused_kernel(opt)
+    seen = fused.probe(opt, dev)
+    if said.status == fused.HONOURS:
+        assert seen.status == fused.HONOURS, (
+            f"{kind}(fused=True) on {dev}: the backend says its kernel honours found_inf, but it {seen.status} "
+            f"it ({seen.note}): declare {{'{kind}': '{seen.status}'}} in the backend's fused_found_inf")
+    elif said.status in (fused.ABSENT, fused.REFUSED):
+        assert seen.status in (fused.ABSENT, fused.REFUSED), (
+            f"{kind}(fused=True) runs on {dev} ({seen.status}, {seen.note}) though the backend declares it "
+            f"{said.status}")
+    else:  # the scaler skips from the host: only a kernel that would not skip itself may be declared so
+        assert seen.status != fused.ABSENT, f"{kind}(fused=True) has no kernel on {dev}: declare it absent"
+
+
+def _state_of(opt: torch.optim.Optimizer) -> dict:
+    return {(i, k): (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+            for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+
+
+@pytest.mark.parametrize("kind", list(_FUSED))
+def test_a_skipped_fused_step_leaves_the_weights_alone(backend, kind):
+    """Through the scaler, a step with an inf gradient leaves the weights, and the optimizer's state,
+    as they were with every fused optimizer kind the device can run, whatever its kernel does with
+    found_inf; the next clean step moves them."""
+    from amp_backends import fused
+
+    dev = backend.device()
     model = torch.nn.Linear(4, 2).to(dev)
-    opt = _fused_adam(model.parameters())
+    opt = _fused_optimizer(kind, model.parameters())
+    if backend.fused_kernel(opt).status in (fused.ABSENT, fused.REFUSED):
+        pytest.skip(f"{kind}(fused=True) cannot run on {backend.name}: {backend.fused_kernel(opt).note}")
     scaler = amp_backends.GradScaler(backend, init_scale=2.0**8)
-    before = [q.detach().cpu().clone() for q in model.parameters()]
-    for step, poison in enumerate((True, False)):
+    for poison in (False, True, False):
+        before = [q.detach().cpu().clone() for q in model.parameters()]
+        state = _state_of(opt)
         opt.zero_grad()
         loss = model(torch.ones(3, 4, device=dev)).float().sum()
         if poison:
@@ -240,7 +270,12 @@ def test_fused_optimizer_honours_found_inf(backend):
         after = [q.detach().cpu() for q in model.parameters()]
         if poison:
             assert scaler.last_step_skipped, "the step with an inf gradient was not skipped"
-            assert all(torch.equal(a, b) for a, b in zip(after, before)), "parameters moved on a skipped step"
+            assert all(torch.equal(a, b) for a, b in zip(after, before)), (
+                f"{kind}(fused=True): the weights moved on a skipped step")
+            now = _state_of(opt)
+            assert now.keys() == state.keys() and all(
+                torch.equal(now[k], state[k]) if torch.is_tensor(state[k]) else now[k] == state[k] for k in state
+            ), f"{kind}(fused=True): the optimizer's state changed on a skipped step"
         else:
             assert not scaler.last_step_skipped
             assert not all(torch.equal(a, b) for a, b in zip(after, before)), "a clean step changed nothing"

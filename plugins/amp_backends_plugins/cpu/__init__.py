@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.fused import HONOURS
 from amp_backends.hardware import cpu_native_dtypes, cpu_summary, missing_cpu_features
 
 
@@ -20,6 +21,9 @@ class CPUBackend(Backend):
     default_dtype = torch.bfloat16
     dist_backend = "gloo"
     priority = 0
+    #: torch's CPU kernels (aten/src/ATen/native/FusedAdam.cpp, FusedSGD.cpp) return when found_inf is 1
+    fused_found_inf = {kind: (HONOURS, "torch's CPU fused kernels skip when found_inf is 1")
+                       for kind in ("adam", "adamw", "sgd")}
 
     def is_available(self) -> bool:
         return True

@@ -13,6 +13,7 @@ import os
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.fused import HONOURS
 
 
 class CUDABackend(Backend):
@@ -27,6 +28,10 @@ class CUDABackend(Backend):
     #: double and half only: bf16 gradients go through a float32 copy unless the kernel (Triton)
     #: handles them itself.
     unscale_dtypes = (torch.float32, torch.float16, torch.float64)
+    #: torch's CUDA kernels (FusedAdamKernel.cu, FusedSgdKernel.cu: the functors return when
+    #: found_inf is 1); ROCm builds compile the same sources
+    fused_found_inf = {kind: (HONOURS, "torch's CUDA fused kernels skip when found_inf is 1")
+                       for kind in ("adam", "adamw", "sgd")}
 
     def is_available(self) -> bool:
         return self.unavailable_reason() is None

@@ -12,7 +12,9 @@ plugin at all. Everything is asked of torch, nothing assumed:
   when availability is asked (a device without a kernel for it is unavailable, with torch's error);
 - float64: a float64 tensor made and reduced on the device (else the scaler's fp32 path);
 - synchronize and memory: the device module's calls, else ``torch.accelerator``'s (2.6+, 2.9+);
-- the process-group backend: torch.distributed's default for the device type, else gloo.
+- the process-group backend: one that can reduce the device's tensors (torch's default for the
+  device type, or one the extension registered); none where none can (never gloo, which reduces
+  cpu and cuda tensors only: a group would start and its first collective fail).
 
 It is registered with ``fallback=True``: the registry drops it as soon as any other backend
 serves the same device type, so a vendor plugin always wins.
@@ -25,7 +27,13 @@ from typing import Any
 import torch
 
 from amp_backends import Backend, hookimpl
-from amp_backends.accelerator import ACCELERATOR_API, autocast_dtypes, current_accelerator_type, privateuse1_name
+from amp_backends.accelerator import (
+    ACCELERATOR_API,
+    autocast_dtypes,
+    current_accelerator_type,
+    privateuse1_name,
+    process_group_backend,
+)
 
 __all__ = ["AcceleratorBackend"]
 
@@ -121,14 +129,14 @@ class AcceleratorBackend(Backend):
                 self._probed["fp64"] = False
         return self._probed["fp64"]
 
+    dist_install_hint = ("install the device's collective library with its torch.distributed bindings (they "
+                         "register a backend with torch.distributed.Backend.register_backend(..., devices=[...]))")
+
     @property
     def dist_backend(self) -> str:  # type: ignore[override]
-        """torch.distributed's default process-group backend for the device type, else gloo."""
-        import torch.distributed as dist
-
-        if not dist.is_available():
-            return "gloo"
-        return dist.Backend.default_device_backend_map.get(self.device_type, "gloo")
+        """The process-group backend that can reduce the device's tensors (torch's default for the
+        device type, or one an extension registered for it); "" where none can: gloo cannot."""
+        return process_group_backend(self.device_type)
 
     def describe(self) -> str:
         """How ``info`` shows where this backend comes from."""

@@ -13,6 +13,7 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
+from amp_backends.fused import HONOURS
 
 
 class MLUBackend(ExtensionBackend):
@@ -36,6 +37,10 @@ class MLUBackend(ExtensionBackend):
     # float16 gradients only, and at most INT32_MAX elements per tensor: bf16 gradients (MLU590)
     # and larger tensors are routed around it by the core.
     unscale_dtypes = (torch.float32, torch.float16)
+    #: torch_mlu r2.4 registers _fused_adam_, _fused_adamw_ and _fused_sgd_ (codegen/mlu_functions.yaml);
+    #: its BANG kernels return when found_inf is 1 (fused_torch_adamw_internal.mlu, fused_torch_sgd_internal.mlu)
+    fused_found_inf = {kind: (HONOURS, "torch_mlu's BANG kernels skip when found_inf is 1")
+                       for kind in ("adam", "adamw", "sgd")}
     max_tensor_elements = 2**31 - 1
     # torch_mlu r2.4_develop is built for torch 2.4.0 exactly
     built_for_torch = "2.4.0"

@@ -9,9 +9,11 @@ pytorch issue 142397 (the scaler's float64 reciprocal on mps) and PR 150255 (nat
 for ``_amp_foreach_non_finite_check_and_unscale_`` and ``_amp_update_scale_``), after which
 Accelerate allows a GradScaler on mps from torch 2.8 (``utils/modeling.py`` ``get_grad_scaler``).
 Two device bugs are guarded at run time rather than by version, because a fix reaches users
-only with a new torch: unscaling zeroing finite float16/bfloat16 gradients (fixed by PR 184286)
-and fused Adam ignoring ``found_inf`` (fixed by PR 186360). Each is probed once on the device;
-where present, those gradients are unscaled through float32 copies and fused optimizers are
+only with a new torch: unscaling zeroing finite float16/bfloat16 gradients (fixed by PR 184286),
+probed once here (those gradients then go through float32 copies); and fused Adam ignoring
+``found_inf`` (fixed by PR 186360), or, when fused Adam came to mps, asserting that
+``grad_scale`` and ``found_inf`` are None: mps declares no fused kernel, so each kind is probed
+once on the device (:mod:`amp_backends.fused`) and a kernel that ignores or refuses found_inf is
 skipped from the host.
 """
 
@@ -117,13 +119,6 @@ class MPSBackend(Backend):
                 torch.float32,)
         return self._probed["unscale"]
 
-    @property
-    def fused_steps_honour_found_inf(self) -> bool:  # type: ignore[override]
-        """Whether ``Adam(fused=True)`` on mps skips when handed found_inf = 1 (pytorch PR 186360)."""
-        if "fused" not in self._probed:
-            self._probed["fused"] = (not self.is_available()) or _fused_adam_skips("mps")
-        return self._probed["fused"]
-
     def describe(self) -> str | None:
         if not self.is_available():
             return None
@@ -131,8 +126,6 @@ class MPSBackend(Backend):
         notes = []
         if self.unscale_dtypes is not None:
             notes.append("unscale zeroes fp16/bf16 values here: unscaled through float32")
-        if not self.fused_steps_honour_found_inf:
-            notes.append("fused optimizers ignore found_inf here: skipped from the host")
         where = f"macOS {'.'.join(map(str, macos))}" if macos else "macOS"
         return f"Apple GPU ({platform.machine()}, {where}, no float64)" + (f"; {'; '.join(notes)}" if notes else "")
 
@@ -151,20 +144,6 @@ def _unscale_keeps_values(device: str) -> bool:
         except Exception:  # noqa: BLE001 - no kernel for the dtype: the float32 path is the safe one
             return False
     return True
-
-
-def _fused_adam_skips(device: str) -> bool:
-    """Whether a fused Adam step handed ``found_inf = 1`` leaves the parameters alone."""
-    try:
-        p = torch.ones(4, device=device, requires_grad=True)
-        p.grad = torch.ones_like(p)
-        opt = torch.optim.Adam([p], lr=0.1, fused=True)
-        opt.grad_scale = torch.ones((), device=device)  # type: ignore[attr-defined]
-        opt.found_inf = torch.ones((), device=device)  # type: ignore[attr-defined]
-        opt.step()
-        return bool(torch.equal(p.detach().cpu(), torch.ones(4)))
-    except Exception:  # noqa: BLE001 - no fused Adam on the device: nothing to guard
-        return True
 
 
 @hookimpl

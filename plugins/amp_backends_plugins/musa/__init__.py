@@ -16,6 +16,7 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
+from amp_backends.fused import HONOURS, REFUSED
 
 
 class MUSABackend(ExtensionBackend):
@@ -32,6 +33,15 @@ class MUSABackend(ExtensionBackend):
     visible_devices = ("MUSA_VISIBLE_DEVICES",)
     device_tool = "mthreads-gmi"
     unscale_dtypes = (torch.float32, torch.float16, torch.float64)
+    #: torch_musa (csrc/aten/ops/FusedAdam.cpp) refuses torch's fused Adam and AdamW with a TORCH_CHECK;
+    #: its _fused_sgd_ kernel (musa/FusedSgdKernel.mu) returns when found_inf is 1
+    fused_found_inf = {
+        "adam": (REFUSED, "torch_musa refuses torch.optim.Adam(fused=True) (csrc/aten/ops/FusedAdam.cpp): use "
+                          "torch_musa.optim.FusedAdam, or fused=False"),
+        "adamw": (REFUSED, "torch_musa refuses torch.optim.AdamW(fused=True) (csrc/aten/ops/FusedAdam.cpp): use "
+                           "torch_musa.optim.FusedAdamW, or fused=False"),
+        "sgd": (HONOURS, "torch_musa's _fused_sgd_ kernel skips when found_inf is 1"),
+    }
     built_for_torch = "2.7.1"
 
     # torch_musa core/device.py: is_bf16_supported(including_emulation=True) holds from compute

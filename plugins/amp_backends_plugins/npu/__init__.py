@@ -24,6 +24,7 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
+from amp_backends.fused import ABSENT, HONOURS, IGNORES
 
 
 class NPUBackend(ExtensionBackend):
@@ -39,6 +40,16 @@ class NPUBackend(ExtensionBackend):
     visible_devices = ("ASCEND_RT_VISIBLE_DEVICES",)
     device_tool = "npu-smi info"
     has_fp64 = False
+    #: op-plugin (op_plugin/config/op_plugin_functions.yaml, op_plugin/ops/opapi/): _fused_adamw_ takes
+    #: grad_scale and found_inf and reads neither (FusedAdamWKernelNpuOpApi.cpp); no _fused_adam_;
+    #: _fused_sgd_ returns when found_inf is 1 (FusedSgdKernelOpApi.cpp)
+    fused_found_inf = {
+        "adamw": (IGNORES, "op-plugin's _fused_adamw_ never reads grad_scale or found_inf "
+                           "(FusedAdamWKernelNpuOpApi.cpp): the scaler unscales and skips it from the host"),
+        "adam": (ABSENT, "op-plugin registers no _fused_adam_ for the NPU (op_plugin_functions.yaml): use "
+                         "AdamW(fused=True), or Adam(fused=False)"),
+        "sgd": (HONOURS, "op-plugin's _fused_sgd_ returns when found_inf is 1 (FusedSgdKernelOpApi.cpp)"),
+    }
 
     _saturation: bool | None = None
 

@@ -88,9 +88,13 @@ class XPUBackend(Backend):
         props = _module().get_device_properties(_module().current_device())
         return bool(getattr(props, "has_fp64", True))
 
+    dist_install_hint = ("use a torch XPU build with XCCL (torch.distributed.is_xccl_available()), or install "
+                         "oneCCL's bindings (pip install oneccl_bind_pt, from Intel's index for your torch)")
+
     @property
     def dist_backend(self) -> str:  # type: ignore[override]
-        """XCCL where torch has it (``is_xccl_available()``), else oneCCL's ``ccl`` where its bindings are installed."""
+        """XCCL where torch has it (``is_xccl_available()``), else oneCCL's ``ccl`` where its bindings
+        are installed; else none (gloo reduces cpu and cuda tensors only, never xpu ones)."""
         import torch.distributed as dist
 
         xccl = getattr(dist, "is_xccl_available", None)
@@ -98,7 +102,7 @@ class XPUBackend(Backend):
             return "xccl"
         if importlib.util.find_spec("oneccl_bindings_for_pytorch") is not None:
             return "ccl"
-        return "gloo"
+        return ""
 
     def describe(self) -> str | None:
         if not self.is_available():

@@ -6,7 +6,10 @@ true from compute capability 2.2 (``AMP_SIM_MUSA_CAPABILITY``, default ``2.2``),
 bf16 tensor can be made on the device (``AMP_SIM_MUSA_BF16_TENSOR=0``: it cannot), and
 ``get_amp_supported_dtype`` lists bf16 only when that holds; the unscale op is CUDA's (float, double and half,
 no bf16); ``core/amp/grad_scaler.py``'s GradScaler is ``torch.amp.GradScaler(device="musa")``;
-autocast follows torch's (CUDA's) lists. Release 2.7.1, built for torch 2.7.1.
+autocast follows torch's (CUDA's) lists; ``csrc/aten/ops/FusedAdam.cpp``: torch's fused Adam and
+AdamW are refused with a TORCH_CHECK naming torch_musa's own optimizers, ``_fused_sgd_`` is
+torch's kernel (``musa/FusedSgdKernel.mu``: it returns when found_inf is 1). Release 2.7.1, built
+for torch 2.7.1.
 """
 
 from __future__ import annotations
@@ -47,6 +50,14 @@ musa = simdevice.install(
     unscale_dtypes=(torch.float32, torch.float16, torch.float64),
     unscale_message='"_amp_foreach_non_finite_check_and_unscale_musa" not implemented for \'{dtype}\'',
     module_class=_MUSAModule,
+    kernels={
+        **{f"_fused_adam_{o}": simdevice.refusing(
+            "torch.optim.Adam(fused=True) is not supported, try torch_musa.optim.FusedAdam instead")
+           for o in ("", ".tensor_lr")},
+        **{f"_fused_adamw_{o}": simdevice.refusing(
+            "torch.optim.AdamW(fused=True) is not supported, try torch_musa.optim.FusedAdamW instead")
+           for o in ("", ".tensor_lr")},
+    },
 )
 
 
