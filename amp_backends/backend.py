@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections import defaultdict
@@ -113,6 +114,8 @@ class Backend:
         :attr:`fused_found_inf`, else probed once on the device (cached per class and defaults)."""
         if not self.fused_steps_honour_found_inf:
             return fused.FusedKernel(fused.IGNORES, f"backend {self.name!r}: fused_steps_honour_found_inf = False")
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:  # torch_mlu's FusedLAMBAMP: it checks
+            return fused.FusedKernel(fused.HONOURS, "its step(grad_scaler=) checks found_inf itself")
         kind = fused.kind_of(optimizer)
         declared = (self.fused_found_inf or {}).get(kind)
         if declared is not None:
@@ -139,6 +142,9 @@ class Backend:
             return len(optimizer.state) >= sum(len(g["params"]) for g in optimizer.param_groups)
         return True
 
+    #: Whether the scaler's ``state_dict`` carries ``"dynamic"``: torch_npu's scaler requires the key
+    #: to load a checkpoint (``npu/amp/grad_scaler.py``), torch's ignores it.
+    state_dict_dynamic: bool = False
     #: The torch release the device extension was built for, e.g. ``"2.4.0"``; ``info`` warns on
     #: a mismatch with the running torch.
     built_for_torch: str | None = None
@@ -165,6 +171,11 @@ class Backend:
 
     def describe(self) -> str | None:
         """What the device is, in one line for ``info`` (model, runtime version), or None."""
+        return None
+
+    def fp32_note(self) -> str | None:
+        """Where float32 compute on this device may not be float32 (Ascend's precision mode), what
+        runs instead and the way to keep float32; None where float32 is float32."""
         return None
 
     # -- dtypes and autocast ----------------------------------------------------------

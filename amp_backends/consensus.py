@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["agree", "named_group", "share_status"]
+__all__ = ["agree", "named_group", "ranks_agree_on_status", "share_status"]
 
 
 def named_group(process_group: Any) -> Any:
@@ -34,6 +34,11 @@ def _status_group(process_group: Any) -> Any:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return None
     return False
+
+
+def ranks_agree_on_status(process_group: Any) -> bool:
+    """Whether a device-wide overflow status is agreed on across ranks (several processes)."""
+    return _status_group(process_group) is not False
 
 
 def share_status(found: dict[torch.device, torch.Tensor], seen: bool, process_group: Any) -> bool:

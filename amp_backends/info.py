@@ -53,6 +53,14 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
             described = backend.describe() if reason is None or getattr(backend, "generic", False) else None
         except Exception as exc:  # noqa: BLE001 - a description is never worth a crash
             described = f"(describe() failed: {type(exc).__name__}: {exc})"
+        try:
+            fp32_note = backend.fp32_note() if reason is None else None
+        except Exception as exc:  # noqa: BLE001
+            fp32_note = f"(fp32_note() failed: {type(exc).__name__}: {exc})"
+        declared = backend.fused_found_inf or {}
+        fused = {kind: (v if isinstance(v, str) else v[0]) for kind, v in declared.items()}
+        if not backend.fused_steps_honour_found_inf:
+            fused = {"all": "ignores"}
         built = backend.built_for_torch
         mismatch = None
         if built and built.split("+")[0] != torch.__version__.split("+")[0] and _installed(backend, reason):
@@ -75,6 +83,8 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
                 "kernel": kernel,
                 "kernel_error": kernel_error,
                 "dist_backend": backend.dist_backend,
+                "fp32_note": fp32_note,
+                "fused_optimizers": fused,
                 "plugin": record.name,
                 "package": record.package,
                 "version": record.version,
@@ -139,6 +149,14 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
     devices = [b for b in data["backends"] if b["device"]]
     if devices:
         out += ["", "Devices:"] + [f"  {b['name']}: {b['device']}" for b in devices]
+    notes = [b for b in data["backends"] if b["fp32_note"]]
+    if notes:
+        out += ["", "Float32 that may not be float32:"] + [f"  {b['name']}: {b['fp32_note']}" for b in notes]
+    fused = [b for b in data["backends"] if b["available"]]
+    if fused:
+        out += ["", "Fused optimizers and found_inf (declared; other kinds probed on the device at first use):"]
+        out += [f"  {b['name']}: " + (", ".join(f"{k} {v}" for k, v in b["fused_optimizers"].items()) or
+                                       "none declared: probed") for b in fused]
     slow = [(b["name"], d, why) for b in data["backends"] if b["available"] for d, why in b["emulated_dtypes"].items()]
     if slow:
         out += ["", "Emulated (slower than float32 here):"] + [f"  {n} {d}: {why}" for n, d, why in slow]

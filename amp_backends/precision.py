@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 import fnmatch
 import functools
 from collections.abc import Callable, Sequence
@@ -244,6 +245,10 @@ def precision_policy(
         from .registry import resolve_backend
 
         be = resolve_backend(backend)
+        note = be.fp32_note()
+        if note:
+            warnings.warn(f"precision_policy: the modules it selects run with autocast off, but {note}",
+                          RuntimeWarning, stacklevel=2)
         for op in getattr(be, "fp32_ops", ()):
             if op not in OP_MODULES:
                 raise ValueError(f"backend {be.name!r} declares fp32 op {op!r}, which no module is known to run; "

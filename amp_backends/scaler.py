@@ -186,8 +186,14 @@ class GradScaler(torch.amp.GradScaler):
         found = self.backend.grad_op_(groups, found_inf, inv_scale, norm_sq)
         if self._arena is not None and inv_scale is not None:
             self._arena.after_multiply(finite=self._scale_known_normal())
-        if self.backend.global_overflow_status and found:
-            self._status_overflow = consensus.share_status(found, self._status_overflow, self._process_group)
+        if self.backend.global_overflow_status:
+            if not found and consensus.ranks_agree_on_status(self._process_group):
+                # no gradient on this rank: it reads its status and still takes part in the agreement the
+                # other ranks wait in (torch_npu always all-reduces)
+                self.backend.read_overflow_status_(found_inf)
+                found = {found_inf.device: found_inf}
+            if found:
+                self._status_overflow = consensus.share_status(found, self._status_overflow, self._process_group)
         elif self._process_group is not None:
             consensus.agree(found, self._process_group)
         return found
@@ -483,13 +489,23 @@ class GradScaler(torch.amp.GradScaler):
         check_factors(1.0, 2.0, 0.5, new_interval, ValueError)
         super().set_growth_interval(int(new_interval))
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict; plus ``"dynamic"`` (whether the scale moves) where the backend says
+        its vendor's scaler requires it to load one (torch_npu's; torch's ignores the extra key)."""
+        state = super().state_dict()
+        if self._enabled and self.backend.state_dict_dynamic:
+            state["dynamic"] = self._dynamic
+        return state
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a state_dict from this scaler or ``torch.amp.GradScaler``; a malformed one
-        raises StateDictError and changes nothing."""
+        """Load a state_dict from this scaler, ``torch.amp.GradScaler`` or torch_npu's scaler (whose
+        ``"dynamic"`` is taken, as torch_npu takes it); a malformed one raises StateDictError and
+        changes nothing."""
         if not self._enabled:
             return
         values = validate_state_dict(state_dict)
         super().load_state_dict(values)
+        self._dynamic = values.get("dynamic", self._dynamic)
         self._telemetry.mirror = (f32(values["scale"]), values["_growth_tracker"])
 
     def __getstate__(self) -> dict[str, Any]:

@@ -164,6 +164,12 @@ def validate_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         values["scale"], values["growth_factor"], values["backoff_factor"], values["growth_interval"],
         lambda msg: StateDictError(f"GradScaler state_dict: {msg}"),
     )
+    if "dynamic" in state_dict:  # torch_npu's key
+        dynamic = state_dict["dynamic"]
+        if not isinstance(dynamic, bool):
+            raise StateDictError(f"GradScaler state_dict['dynamic'] must be True or False, got {type(dynamic).__name__} "
+                                 f"{dynamic!r}")
+        values["dynamic"] = dynamic
     if tracker >= values["growth_interval"]:
         raise StateDictError(
             f"GradScaler state_dict['_growth_tracker'] is {tracker}, not below growth_interval "

@@ -20,6 +20,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--extra", action="store_true",
+                        help="a second optimizer over a parameter only rank 0 uses: rank 1 has no gradient for it")
     args = parser.parse_args()
     be = amp_backends.get(args.backend)
     dist.init_process_group("gloo")
@@ -33,11 +35,16 @@ def main() -> None:
         y = x[:, :1].clone()
         x, y = x.to(dev), y.to(dev)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        extra = torch.nn.Parameter(torch.ones(3, device=dev))
+        opt2 = torch.optim.SGD([extra], lr=0.05)
         scaler = amp_backends.GradScaler(be, init_scale=2.0**8)
         record, reduced = [], []
         for step in range(4):
             opt.zero_grad()
+            opt2.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            if args.extra and rank == 0:
+                loss = loss + (extra * extra).sum() * 1e-3
             if rank == 1 and step == 1:
                 loss = loss * torch.full((), 3e38, device=dev)  # this rank's backward overflows
             scaler.scale(loss).backward()
@@ -47,12 +54,15 @@ def main() -> None:
                 p.grad.copy_(g.to(dev))
                 reduced.append(g)  # alive until the group is gone: Gloo's threads then never need the GIL
             scaler.step(opt)
+            if args.extra:
+                scaler.step(opt2)  # rank 1: no gradient, yet it must take part in the status agreement
             scaler.update()
             record.append({"skipped": scaler.last_step_skipped, "scale": scaler.get_scale()})
         params = [p.detach().cpu().tolist() for p in model.parameters()]
         status_mode = bool(be.global_overflow_status)
         Path(args.out, f"rank{rank}.json").write_text(
-            json.dumps({"record": record, "params": params, "status_mode": status_mode})
+            json.dumps({"record": record, "params": params, "status_mode": status_mode,
+                        "extra": extra.detach().cpu().tolist()})
         )
     finally:
         amp_backends.distributed.destroy_process_group()  # barrier, teardown, collect: a clean exit

@@ -156,6 +156,14 @@ def test_mps_unavailable_here_says_why(fresh_registry):
     assert reason and ("not built with MPS" in reason or "no Metal device" in reason or "needs torch 2.5+" in reason)
 
 
+@pytest.mark.parametrize(("version", "macos"), [((2, 8), "12.3"), ((2, 9), "14"), ((2, 13), "14")])
+def test_mps_without_a_metal_device_names_the_macos_this_torch_needs(monkeypatch, version, macos):
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(mps_plugin, "_torch_version", lambda: version)
+    assert f"needs macOS {macos}+ for MPS" in mps_plugin.MPSBackend().unavailable_reason()
+
+
 @needs_mps_autocast
 def test_mps_is_chosen_where_torch_reports_it(monkeypatch, fresh_registry):
     _patch_mps(monkeypatch)
@@ -339,13 +347,15 @@ def test_rocm_is_named_with_its_release_and_architecture(monkeypatch):
 def test_rocm_bf16_is_native_by_amd_architecture(monkeypatch):
     _patch_rocm(monkeypatch, arch="gfx908:sramecc+:xnack-", name="AMD Instinct MI100")
     be = cuda_plugin.CUDABackend()
-    assert be.native_dtypes() == (torch.float16,), "MI100: bf16 works, emulated"
-    assert "gfx908" in be.emulation_reason(torch.bfloat16) and "gfx90a" in be.emulation_reason(torch.bfloat16)
+    assert be.native_dtypes() == (torch.float16, torch.bfloat16), "MI100 (CDNA 1) has bf16 matrix cores"
+    _patch_rocm(monkeypatch, arch="gfx906:sramecc+:xnack-", name="AMD Radeon Instinct MI50")
+    assert be.native_dtypes() == (torch.float16,), "MI50: bf16 works, emulated"
+    assert "gfx906" in be.emulation_reason(torch.bfloat16) and "gfx908" in be.emulation_reason(torch.bfloat16)
 
 
 @pytest.mark.parametrize(("arch", "native"), [
     ("gfx90a", True), ("gfx940", True), ("gfx942", True), ("gfx950", True), ("gfx1100", True), ("gfx1201", True),
-    ("gfx906", False), ("gfx908", False), ("gfx1030", False), ("gfx1010", False), (None, False), ("sm_90", False),
+    ("gfx908", True), ("gfx906", False), ("gfx1030", False), ("gfx1010", False), (None, False), ("sm_90", False),
 ])
 def test_amd_bf16_rule(arch, native):
     assert cuda_plugin.amd_bf16_native(arch) is native

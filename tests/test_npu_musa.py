@@ -152,14 +152,14 @@ def test_extension_imported_only_when_asked_for(name, module):
     assert out == [False, True]
 
 
-def _two_ranks(tmp_path, backend: str, env: dict[str, str]) -> list[dict]:
+def _two_ranks(tmp_path, backend: str, env: dict[str, str], *extra: str) -> list[dict]:
     here = Path(__file__).resolve().parent
     full = {k: v for k, v in os.environ.items() if not k.startswith(("AMP_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     full.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env})
     full["PYTHONPATH"] = os.pathsep.join([str(p) for p in NPU] + [full.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(here / "status_dist_worker.py"), "--backend", backend, "--out", str(tmp_path)],
+         str(here / "status_dist_worker.py"), "--backend", backend, "--out", str(tmp_path), *extra],
         capture_output=True, text=True, env=full, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -181,6 +181,18 @@ def test_an_overflow_on_one_rank_skips_the_step_on_both(tmp_path, backend, inf_n
         assert [e["skipped"] for e in r["record"]] == [False, True, False, False]
         assert [e["scale"] for e in r["record"]] == [256.0, 128.0, 128.0, 128.0]
     assert ranks[0]["params"] == ranks[1]["params"]
+
+
+@needs_sim_device
+def test_a_rank_without_gradients_still_agrees_on_the_status(tmp_path):
+    """Saturation mode, a second optimizer whose parameter only rank 0 uses: rank 1 has no gradient
+    for it, and still takes part in the status all-reduce the other rank waits in (torch_npu always
+    all-reduces); no hang, no error, the same steps skipped on both ranks."""
+    ranks = _two_ranks(tmp_path, "npu", {"AMP_SIM_NPU_INF_NAN": "0"}, "--extra")
+    for r in ranks:
+        assert [e["skipped"] for e in r["record"]] == [False, True, False, False]
+    assert ranks[0]["params"] == ranks[1]["params"]
+    assert ranks[1]["extra"] == [1.0, 1.0, 1.0] and ranks[0]["extra"] != [1.0, 1.0, 1.0]
 
 
 @needs_sim_device
@@ -227,3 +239,105 @@ def test_simulated_torch_npu_follows_its_source(inf_nan, bf16):
         assert out["after_read"] is False, "the op read and reset the status"
     assert out["clean"] == [0.0, [2.0, 2.0, 2.0]]
     assert out["overflow"] == [1.0, True], "found, and (saturation mode) the gradients left scaled"
+
+
+PRECISION = """
+import json, warnings, torch, torch_npu, amp_backends
+be = amp_backends.get("npu")
+torch.manual_seed(0)
+a, b = torch.randn(64, 64), torch.randn(64, 64)
+exact = a @ b
+as_fp16 = (a.half() @ b.half()).float()
+def on_npu():
+    return (a.to(be.device()) @ b.to(be.device())).cpu()
+out = {"mode": be.precision_mode(), "note": be.fp32_note(), "default_same_as_fp16": bool(torch.equal(on_npu(), as_fp16)),
+       "default_exact": bool(torch.equal(on_npu(), exact)), "info": be.describe()}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    amp_backends.precision_policy(torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 2)), backend=be)
+out["policy_warning"] = [str(w.message) for w in caught if "precision_policy" in str(w.message)]
+try:
+    torch_npu.npu.set_option({"ACL_PRECISION_MODE": "allow_fp32_to_fp32"})
+except ValueError as exc:
+    out["bad_value"] = str(exc)
+torch_npu.npu.set_option({"ACL_PRECISION_MODE": "must_keep_origin_dtype"})
+out.update(kept_mode=be.precision_mode(), kept_note=be.fp32_note(), kept_exact=bool(torch.equal(on_npu(), exact)))
+print(json.dumps(out))
+"""
+
+
+@needs_sim_device
+@pytest.mark.parametrize("inf_nan", ["0", "1"])
+def test_the_ascend_precision_mode_is_modelled_and_said(inf_nan):
+    """torch_npu's ACL_PRECISION_MODE: allow_fp32_to_fp16 by default on the chips in saturation mode,
+    so a float32 matmul on the device gives float16's result there (the simulation no kinder than the
+    chip); info, the backend and a precision policy say so and name the option that keeps float32."""
+    out = run_json(PRECISION, NPU, {"AMP_SIM_NPU_INF_NAN": inf_nan})
+    saturation = inf_nan == "0"
+    assert out["mode"] == ("allow_fp32_to_fp16" if saturation else "must_keep_origin_dtype")
+    assert out["default_same_as_fp16"] is saturation and out["default_exact"] is not saturation
+    if saturation:
+        assert "must_keep_origin_dtype" in out["note"] and "float16" in out["info"]
+        assert len(out["policy_warning"]) == 1 and "may run in float16" in out["policy_warning"][0]
+    else:
+        assert out["note"] is None and out["policy_warning"] == []
+    assert out["bad_value"] == ("value of ACL_PRECISION_MODE should be in ['allow_fp32_to_fp16', "
+                                "'must_keep_origin_dtype'] but got allow_fp32_to_fp32")
+    assert out["kept_mode"] == "must_keep_origin_dtype" and out["kept_note"] is None and out["kept_exact"]
+
+
+CHECKPOINTS = """
+import json, torch, amp_backends
+from torch_npu.npu.amp import GradScaler as NPUScaler
+be = amp_backends.get("npu")
+ours = be.grad_scaler(init_scale=2.**10, growth_interval=7)
+model = torch.nn.Linear(3, 1).to(be.device()); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad(); ours.scale(model(torch.ones(2, 3, device=be.device())).sum()).backward(); ours.step(opt); ours.update()
+saved = ours.state_dict()
+theirs = NPUScaler(init_scale=1.0)
+theirs.load_state_dict(saved)                         # torch_npu's scaler requires "dynamic"
+static = NPUScaler(init_scale=64.0, growth_interval=5, dynamic=False)
+back = be.grad_scaler()
+back.load_state_dict(static.state_dict())            # and the other way, its mode taken
+plain = torch.amp.GradScaler("npu"); plain.load_state_dict(saved)
+try:
+    NPUScaler().load_state_dict({k: v for k, v in saved.items() if k != "dynamic"})
+    refused = None
+except KeyError as exc:
+    refused = str(exc)
+print(json.dumps({"keys": sorted(saved), "theirs": theirs.state_dict(), "ours": saved,
+                  "back": back.state_dict(), "back_dynamic": back._dynamic, "plain_scale": plain.get_scale(),
+                  "refused": refused}))
+"""
+
+
+@needs_sim_device
+def test_a_checkpoint_moves_between_our_scaler_and_torch_npus_both_ways():
+    out = run_json(CHECKPOINTS, NPU)
+    assert out["keys"] == ["_growth_tracker", "backoff_factor", "dynamic", "growth_factor", "growth_interval", "scale"]
+    assert out["theirs"] == out["ours"], "torch_npu's scaler loads ours and saves the same state"
+    assert out["back"]["scale"] == 64.0 and out["back"]["growth_interval"] == 5 and out["back_dynamic"] is False
+    assert out["plain_scale"] == out["ours"]["scale"], "torch's own scaler ignores the extra key"
+    assert out["refused"] == "'dynamic'", "without it torch_npu's loader fails: the key set is the real one"
+
+
+AUTOCAST_LISTS = """
+import json, torch, amp_backends
+be = amp_backends.get(%r)
+x = torch.randn(1, 2, 4, 4).to(be.device())
+with torch.autocast(be.device_type, dtype=torch.float16):
+    up = torch.nn.functional.interpolate(x.half(), scale_factor=2, mode="bilinear")
+    norm = torch.norm(x.half())
+    mm = x.view(8, 4) @ x.view(8, 4).t()
+print(json.dumps({"upsample": str(up.dtype), "norm": str(norm.dtype), "mm": str(mm.dtype)}))
+"""
+
+
+@needs_sim_device
+def test_the_npu_simulation_autocasts_by_torch_npus_lists_not_cudas():
+    """torch_npu's AutoCastOps.cpp has no upsampling in float32 (CUDA's has) and puts norm in float32."""
+    npu = run_json(AUTOCAST_LISTS % "npu", NPU)
+    musa = run_json(AUTOCAST_LISTS % "musa", MUSA)  # CUDA's lists
+    assert npu == {"upsample": "torch.float16", "norm": "torch.float32", "mm": "torch.float16"}
+    assert musa["upsample"] == "torch.float32" and musa["mm"] == "torch.float16"

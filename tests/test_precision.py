@@ -159,10 +159,13 @@ def test_an_undeclarable_op_is_refused():
 
 
 @needs_sim_device
-def test_on_the_mlu_simulation_the_policy_runs_bce_where_torch_mlu_bans_it():
+@pytest.mark.parametrize("name", ["mlu", "npu", "musa"])
+def test_on_the_simulations_the_policy_runs_bce_where_the_extension_bans_it(name):
+    """torch_mlu, torch_npu and torch_musa (CUDA's lists) all ban binary_cross_entropy under autocast;
+    each backend declares it, so a policy runs nn.BCELoss in float32 on each."""
     code = """
     import json, torch, amp_backends
-    be = amp_backends.get("mlu")
+    be = amp_backends.get(%r)
     dev = be.device()
     model = torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Sigmoid()).to(dev)
     holder = torch.nn.ModuleDict({"model": model, "loss": torch.nn.BCELoss()})
@@ -177,8 +180,8 @@ def test_on_the_mlu_simulation_the_policy_runs_bce_where_torch_mlu_bans_it():
     with be.autocast():
         value = holder["loss"](model(x), y)
     print(json.dumps({"banned": banned, "dtype": str(value.dtype), "selected": policy.selected}))
-    """
-    out = run_json(code, [sim_packages_path("mlu")], cpu_only_env())
+    """ % name
+    out = run_json(code, [sim_packages_path(name)], cpu_only_env())
     assert out["banned"] and "unsafe to autocast" in out["banned"]
     assert out["dtype"] == "torch.float32" and list(out["selected"]) == ["loss"]
 

@@ -61,7 +61,17 @@ PROMOTE_OPS = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot"
                "scatter_add", "tensordot", "cat", "stack")
 
 _STATE: dict[str, Any] = {"name": None, "libs": [], "saturation": False, "status": False,
-                          "allocated": 0, "peak": 0}
+                          "allocated": 0, "peak": 0, "fp32_cube_as": None}
+
+#: The matrix (cube) ops a precision mode may run in a lower dtype than float32 (ATen names).
+CUBE_OPS = frozenset(("mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "_convolution", "conv1d", "conv2d",
+                      "conv3d", "addmv", "mv", "dot"))
+
+
+def set_fp32_cube_dtype(dtype: torch.dtype | None) -> None:
+    """Run float32 matrix ops (:data:`CUBE_OPS`) in ``dtype`` on the device, results cast back to
+    float32 (Ascend's ``ACL_PRECISION_MODE=allow_fp32_to_fp16``); None: in float32."""
+    _STATE["fp32_cube_as"] = dtype
 
 
 # storage address of a wrapper -> (CPU tensor with its data, the storage kept alive)
@@ -133,7 +143,12 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
 
     to_device = _targets_device(kwargs)
     raw_args, raw_kwargs = tree_map(unwrap, (args, kwargs))
-    result = op(*raw_args, **raw_kwargs)
+    low = _STATE["fp32_cube_as"]
+    if low is not None and op._schema.name.split("::")[-1] in CUBE_OPS and _all_fp32(raw_args, raw_kwargs):
+        result = op(*tree_map(lambda x: _cast(x, low), raw_args), **tree_map(lambda x: _cast(x, low), raw_kwargs))
+        result = tree_map(lambda x: _cast(x, torch.float32), result)
+    else:
+        result = op(*raw_args, **raw_kwargs)
     if _STATE["saturation"] and to_device is not False:
         torch.utils._pytree.tree_map(_saturate, result)
     wrap_new = to_device if to_device is not None else True
@@ -150,6 +165,15 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
         return x
 
     return tree_map(wrap, result)
+
+
+def _all_fp32(*inputs: Any) -> bool:
+    floats = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return bool(floats) and all(t.dtype == torch.float32 for t in floats)
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 def _saturate(x: Any) -> Any:
@@ -272,9 +296,11 @@ def _autocast_kernel(cast: str, op_name: str) -> Any:
 _OVERLOADS: dict[str, Any] = {}
 
 
-def _register_autocast(lib: torch.library.Library, fp32_extra: tuple[str, ...], banned: tuple[str, ...]) -> None:
-    fp32 = tuple(n for n in dict.fromkeys(FP32_OPS + fp32_extra) if n not in banned)
-    for cast, names in (("lower", LOWER_PRECISION_OPS), ("fp32", fp32), ("promote", PROMOTE_OPS), ("banned", banned)):
+def _register_autocast(lib: torch.library.Library, fp32_extra: tuple[str, ...], banned: tuple[str, ...],
+                       lists: dict[str, tuple[str, ...]]) -> None:
+    fp32 = tuple(n for n in dict.fromkeys(lists.get("fp32", FP32_OPS) + fp32_extra) if n not in banned)
+    lower, promote = lists.get("lower", LOWER_PRECISION_OPS), lists.get("promote", PROMOTE_OPS)
+    for cast, names in (("lower", lower), ("fp32", fp32), ("promote", promote), ("banned", banned)):
         for name in names:
             packet = getattr(torch.ops.aten, name, None)
             if packet is None:
@@ -428,6 +454,7 @@ def install(
     saturation: bool = False,
     module_class: type | None = None,
     kernels: dict[str, Any] | None = None,
+    autocast_lists: dict[str, tuple[str, ...]] | None = None,
 ) -> types.ModuleType:
     """Register the simulated device as ``name`` (once per process) and return its device module.
 
@@ -437,7 +464,8 @@ def install(
     ``{numel}``/``{limit}``: sizes). ``saturation``: inf/NaN results saturate and set a
     device-wide overflow status (Ascend without inf/NaN mode). ``kernels``: the extension's own
     kernels for ATen overloads (``"_fused_adamw_"`` -> :func:`ignoring_found_inf` ...); every other op
-    runs torch's CPU kernel."""
+    runs torch's CPU kernel. ``autocast_lists``: the extension's own ``"lower"``, ``"fp32"`` and
+    ``"promote"`` op lists where they differ from CUDA's."""
     if _STATE["name"] is not None:
         if _STATE["name"] != name:
             raise RuntimeError(
@@ -464,7 +492,7 @@ def install(
               "PrivateUse1")
     for qualified, kernel in (kernels or {}).items():
         aten.impl(qualified, kernel, "PrivateUse1")
-    _register_autocast(aten, fp32_extra, banned)
+    _register_autocast(aten, fp32_extra, banned, autocast_lists or {})
     _STATE["libs"] = [fallback, aten]
     torch.__future__.set_swap_module_params_on_conversion(True)
     return module

@@ -68,8 +68,10 @@ class MPSBackend(Backend):
             return (f"torch {torch.__version__} is not built with MPS: Apple GPUs need macOS on Apple silicon "
                     "and torch's macOS build (pip install torch)")
         if not mps.is_available():
-            return ("torch is built with MPS but no Metal device is available: MPS needs macOS 12.3+ and an "
-                    "Apple-silicon or AMD GPU (not a virtual machine without GPU passthrough)")
+            macos = "14" if _torch_version() >= (2, 9) else "12.3"  # torch 2.9 dropped macOS 13 and older for MPS
+            return (f"torch is built with MPS but no Metal device is available: torch {torch.__version__} needs "
+                    f"macOS {macos}+ for MPS, and an Apple-silicon or AMD GPU (not a virtual machine without GPU "
+                    "passthrough)")
         if not torch.amp.is_autocast_available("mps"):
             return f"torch {torch.__version__} has no autocast for mps: it needs torch 2.5+ (pip install -U torch)"
         if not self._accepted():

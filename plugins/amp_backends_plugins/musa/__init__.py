@@ -33,6 +33,8 @@ class MUSABackend(ExtensionBackend):
     visible_devices = ("MUSA_VISIBLE_DEVICES",)
     device_tool = "mthreads-gmi"
     unscale_dtypes = (torch.float32, torch.float16, torch.float64)
+    #: torch_musa's autocast is CUDA's, which bans binary_cross_entropy
+    fp32_ops = ("binary_cross_entropy",)
     #: torch_musa (csrc/aten/ops/FusedAdam.cpp) refuses torch's fused Adam and AdamW with a TORCH_CHECK;
     #: its _fused_sgd_ kernel (musa/FusedSgdKernel.mu) returns when found_inf is 1
     fused_found_inf = {

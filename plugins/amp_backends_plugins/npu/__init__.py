@@ -9,7 +9,11 @@ op-plugin's ``AmpForeachNonFiniteCheckAndUnscaleKernelNpuOpApi.cpp``):
   (``clear_npu_overflow_flag``) and the unscale reads (``get_npu_overflow_flag``) instead of
   inspecting the gradients;
 - 1/scale is computed in float32 (the device has no float64);
-- the collective backend is HCCL.
+- the collective backend is HCCL;
+- ``ACL_PRECISION_MODE`` (``csrc/framework/interface/EnvVariables.cpp``): on chips below Ascend910B1
+  (the saturation-mode ones) torch_npu's default, ``allow_fp32_to_fp16``, lets float32 matrix ops
+  run in float16: a float32 baseline, or the layers a precision policy keeps in float32, may not
+  be float32 there (:meth:`NPUBackend.fp32_note`, shown by ``info``).
 
 torch_npu is imported only when this backend is asked for. Not run on Ascend hardware: see
 docs/backends/npu.md.
@@ -40,6 +44,9 @@ class NPUBackend(ExtensionBackend):
     visible_devices = ("ASCEND_RT_VISIBLE_DEVICES",)
     device_tool = "npu-smi info"
     has_fp64 = False
+    #: torch_npu's autocast bans binary_cross_entropy (csrc/aten/AutoCastOps.cpp), as CUDA's does
+    fp32_ops = ("binary_cross_entropy",)
+    state_dict_dynamic = True  # torch_npu's scaler requires "dynamic" in a checkpoint it loads
     #: op-plugin (op_plugin/config/op_plugin_functions.yaml, op_plugin/ops/opapi/): _fused_adamw_ takes
     #: grad_scale and found_inf and reads neither (FusedAdamWKernelNpuOpApi.cpp); no _fused_adam_;
     #: _fused_sgd_ returns when found_inf is 1 (FusedSgdKernelOpApi.cpp)
@@ -71,6 +78,28 @@ class NPUBackend(ExtensionBackend):
 
     def _submodule(self, name: str) -> Any:
         return importlib.import_module(f"{self.extension}.{name}")
+
+    def precision_mode(self) -> str | None:
+        """``ACL_PRECISION_MODE`` as torch_npu decides it: what ``set_option`` set, else the chip's
+        default (``allow_fp32_to_fp16`` below Ascend910B1, the chips in saturation mode)."""
+        if self._load() is None:
+            return None
+        raw = self._submodule("_C")._npu_getOption("ACL_PRECISION_MODE")
+        if raw:
+            return raw.decode() if isinstance(raw, bytes) else str(raw)
+        return "allow_fp32_to_fp16" if self.global_overflow_status else "must_keep_origin_dtype"
+
+    def fp32_note(self) -> str | None:
+        if self.precision_mode() != "allow_fp32_to_fp16":
+            return None
+        return ("ACL_PRECISION_MODE=allow_fp32_to_fp16 (torch_npu's default below Ascend910B1): float32 matmuls "
+                "and convolutions may run in float16 here; to keep float32 (baselines, a precision policy's float32 "
+                "layers) call torch_npu.npu.set_option({'ACL_PRECISION_MODE': 'must_keep_origin_dtype'})")
+
+    def describe(self) -> str | None:
+        mode = self.precision_mode() if self.is_available() else None
+        return f"precision mode {mode}" + (" (float32 matmuls may run in float16)" if mode == "allow_fp32_to_fp16"
+                                           else "") if mode else None
 
     def clear_overflow_status(self) -> None:
         self._submodule("npu").clear_npu_overflow_flag()

@@ -11,8 +11,24 @@ import warnings
 
 from amp_backends.testing import simdevice
 
-from . import utils  # noqa: F401
+from . import amp, utils  # noqa: F401
 from .utils import is_bf16_supported, is_support_inf_nan, npu_check_overflow  # noqa: F401
+
+
+_OPTION_VALUES = {"ACL_PRECISION_MODE": ["allow_fp32_to_fp16", "must_keep_origin_dtype"]}
+
+
+def set_option(option: dict) -> None:
+    """``npu/npu_config.py`` ``set_option``: a dict of options, known values checked."""
+    from torch_npu import _C
+
+    if not isinstance(option, dict):
+        raise TypeError("npu option must be a dict.")
+    for name, value in option.items():
+        allowed = _OPTION_VALUES.get(name)
+        if allowed is not None and str(value) not in allowed:
+            raise ValueError(f"value of {name} should be in {allowed} but got {value}")
+    _C._npu_setOption({k: str(v) for k, v in option.items()})
 
 
 def get_npu_overflow_flag() -> bool:
