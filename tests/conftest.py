@@ -18,6 +18,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist every core runs a worker: torch's intra-op threads (one per core in each
+# worker, and in each subprocess a test starts) would spin against each other, and the small ops
+# these tests run slow down many times over. One thread each; the arithmetic is the same.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 
 def write_distribution(
     root: Path, package: str, module: str, source: str, entry_points: dict[str, str], version: str = "1.0"
