@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from .arena import FlatGrads, flat_grads
 from .backend import Backend
-from .check import ModelReport, check_model
 from .errors import (
     AmpBackendsError,
     BackendUnavailableError,
@@ -33,14 +32,19 @@ __version__ = "0.1.0"
 
 
 _LAZY_SUBMODULES = ("check", "checkpoint", "distributed", "info", "testing")
+#: The inspector's names, imported on first use: name -> module.
+_LAZY_NAMES = {"check_model": "check", "ModelReport": "report", "detect_nonfinite": "nonfinite",
+               "NonFiniteReport": "nonfinite"}
 
 
 def __getattr__(name: str) -> object:
-    """``amp_backends.distributed`` and friends, imported on first use (keeps import cheap)."""
-    if name in _LAZY_SUBMODULES:
-        import importlib
+    """``amp_backends.distributed``, ``check_model`` and friends, imported on first use (keeps import cheap)."""
+    import importlib
 
+    if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
@@ -53,6 +57,7 @@ __all__ = [
     "GradScaler",
     "Kernel",
     "ModelReport",
+    "NonFiniteReport",
     "PerformanceWarning",
     "PluginLoadError",
     "PrecisionPolicy",
@@ -66,6 +71,7 @@ __all__ = [
     "autocast_module",
     "available",
     "check_model",
+    "detect_nonfinite",
     "flat_grads",
     "get",
     "hookimpl",

@@ -427,10 +427,19 @@ def render(result: dict[str, Any]) -> str:
     ])
 
 
-def list_models() -> str:
-    """Each bench model with its parameter count at full size (and the reference's)."""
+def list_models(as_json: bool = False) -> str:
+    """Each bench model with its parameter count at full size (and the reference's); JSON on request."""
     from .console import render_table
 
+    if as_json:
+        import json
+
+        return json.dumps([{"model": name, "params_full": param_count(name, "full"),
+                            "reference_params": spec.reference_params or None,
+                            "full_batch": spec.batch_sizes["full"], "full_shape": str(spec.shapes["full"]),
+                            "params_small": param_count(name, "small"), "small_batch": spec.batch_sizes["small"],
+                            "small_shape": str(spec.shapes["small"]), "what": spec.describe}
+                           for name, spec in MODELS.items()], indent=2)
     rows = []
     for name, spec in MODELS.items():
         n = param_count(name, "full")

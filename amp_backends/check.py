@@ -1,191 +1,142 @@
 """What AMP will do to a model, before it trains: :func:`check_model` and ``amp-backends check``.
 
-One forward and backward under the backend's autocast (and its scaler), observed, not changed:
+One forward under the backend's autocast, with backward passes taken with ``torch.autograd.grad``
+inside :func:`~amp_backends.isolation.untouched` (the model, its buffers, gradients, modes and hooks
+and the global RNG are exactly as before; no user hook or optimizer sees the check's backward), and
+the same forward and backward in float32 as the reference:
 
-- per module, the dtype each matmul and convolution of the forward actually ran in (seen below
-  autocast, by a ``TorchDispatchMode``), and its FLOPs (attention kernels are not counted);
-- modules left in float32: by autocast's own op lists, or by a precision policy;
-- low-precision matmul/conv shapes off the fast path (dimensions not multiples of 8: the
-  fp16/bf16 Tensor Core / matrix-core granularity), and the share of FLOPs affected;
-- values outside float16's range: parameters, module outputs and gradients above 65504 (inf
-  in fp16), and gradients that would underflow (below 2**-24, fp16's smallest subnormal) at the
-  scaler's loss scale, with the range of scales at which they would not;
-- the gradient norm per module, from the unscaled gradients.
-
-The model's parameters, gradients and mode are left as they were.
+- every matmul-like op, forward and backward, with its module, the dtype it ran in (seen below
+  autocast by a ``TorchDispatchMode``), its FLOPs (torch's ``FlopCounterMode`` formulas, and stated
+  ones where it has none: :mod:`amp_backends.opcount`) and whether its shape suits low-precision
+  matrix units (dimensions, per convolution group, multiples of 8);
+- the modules left in float32, and why (a precision policy; autocast's float32 op lists; a float32
+  input);
+- float16's range, measured: the scaled backward run at powers of two (from ``loss_scale`` down
+  until no inf/NaN, and up until one appears), each gradient element judged against the float32
+  reference (an element lost is zero in float16's gradient and not in float32's); every parameter
+  counted once; a model whose own forward overflows, or whose backward overflows at scale 1, is said
+  to be beyond loss scaling, with the op that overflowed;
+- the first op that produced inf/NaN, forward and backward: module, op, dtype, shape, count;
+- per module, the relative error of its outputs and of its gradients against float32.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .backend import Backend
+from .errors import AmpBackendsError
+from .isolation import call_args, untouched
+from .opcount import NonFinite, Op, OpRecorder
+from .report import FP16_MAX, ModelReport, ModuleRow
 
-__all__ = ["FP16_MAX", "FP16_TINY", "ModelReport", "ModuleRow", "check_model"]
-
-FP16_MAX = 65504.0
-#: float16's smallest subnormal: a smaller magnitude becomes 0 in fp16.
-FP16_TINY = 2.0**-24
-#: fp16/bf16 Tensor Cores (and AMD matrix cores) take dimensions in multiples of this.
-ALIGN = 8
+__all__ = ["CheckError", "CheckTypeError", "ModelReport", "ModuleRow", "check_model"]
 _LOW = (torch.float16, torch.bfloat16)
-
-_aten = torch.ops.aten
-_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
-_CONVS = {_aten.convolution.default}
+#: The loss scales tried: powers of two from 2**0 to 2**30 (torch's scaler starts at 2**16).
+_SCALE_RANGE = (0, 30)
 
 
-@dataclass
-class ModuleRow:
-    """What one module did (its own ops, not its children's)."""
-
-    name: str
-    type: str
-    #: "float16", "bfloat16", "float32", or "-" where the module ran no matmul/convolution itself
-    compute: str = "-"
-    flops: int = 0
-    low_flops: int = 0
-    #: why it stayed in float32 ("policy: ...", "autocast: float32 op") or None
-    fp32_reason: str | None = None
-    #: shapes of low-precision matmuls/convolutions off the 8-multiple fast path, e.g. "mm 30x100x7"
-    misaligned: list[str] = field(default_factory=list)
-    misaligned_flops: int = 0
-    output_dtype: str | None = None
-    #: elements above fp16's range: in the parameters, the outputs, the gradients
-    params_over: int = 0
-    outputs_over: int = 0
-    grads_over: int = 0
-    #: gradient elements that would be 0 in fp16 at the loss scale checked
-    grads_underflow: int = 0
-    #: gradient elements that came out inf/NaN (the scaled backward overflowed: the step would be skipped)
-    grads_nonfinite: int = 0
-    grad_norm: float | None = None
-
-    @property
-    def precision(self) -> str:
-        return self.compute if self.compute != "-" else (self.output_dtype or "-")
+class CheckError(AmpBackendsError, ValueError):
+    """A value check_model cannot use (an argument, the inputs, what loss_fn returned); nothing changed."""
 
 
-@dataclass
-class ModelReport:
-    """The result of :func:`check_model`: per-module rows and model-wide figures."""
-
-    backend: str
-    dtype: str
-    loss_scale: float
-    rows: list[ModuleRow]
-    total_flops: int
-    low_flops: int
-    misaligned_flops: int
-    #: the loss scales (powers of two) at which no gradient overflows or underflows fp16, or None
-    safe_scales: tuple[float, float] | None
-    grad_norm: float
-    params_over: int
-    grads_over: int
-    grads_underflow: int
-    outputs_over: int
-    grads_nonfinite: int = 0
-
-    @property
-    def fp32_layers(self) -> list[ModuleRow]:
-        return [r for r in self.rows if r.fp32_reason]
-
-    @property
-    def misaligned_layers(self) -> list[ModuleRow]:
-        return [r for r in self.rows if r.misaligned]
-
-    @property
-    def summary(self) -> str:
-        share = 100.0 * self.low_flops / self.total_flops if self.total_flops else 0.0
-        parts = [f"{share:.0f}% of matmul FLOPs in {self.dtype}"]
-        fp32 = self.fp32_layers
-        if fp32:
-            parts.append(f"{len(fp32)} layer{'s' if len(fp32) != 1 else ''} in float32 "
-                         f"({', '.join(r.name for r in fp32[:4])}{', ...' if len(fp32) > 4 else ''})")
-        off = self.misaligned_layers
-        if off:
-            pct = 100.0 * self.misaligned_flops / self.total_flops if self.total_flops else 0.0
-            parts.append(f"{len(off)} layer{'s' if len(off) != 1 else ''} off Tensor-Core shapes "
-                         f"({pct:.1f}% of FLOPs): {', '.join(f'{r.name} {r.misaligned[0]}' for r in off[:3])}"
-                         f"{', ...' if len(off) > 3 else ''}")
-        if self.grads_nonfinite:
-            parts.append(f"the backward overflowed at scale {self.loss_scale:g} ({self.grads_nonfinite} inf/NaN "
-                         "gradient values): the scaler would skip this step and back off")
-        if self.dtype == "float16":
-            if self.grads_underflow:
-                parts.append(f"{self.grads_underflow} gradient values underflow fp16 at scale {self.loss_scale:g}")
-            if self.grads_over or self.params_over or self.outputs_over:
-                parts.append(f"values over fp16's 65504: {self.params_over} in parameters, {self.outputs_over} in "
-                             f"outputs, {self.grads_over} in gradients")
-            if self.safe_scales:
-                parts.append(f"safe loss scales {self.safe_scales[0]:g}..{self.safe_scales[1]:g}")
-        parts.append(f"gradient norm {self.grad_norm:.4g}")
-        return "; ".join(parts)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["summary"] = self.summary
-        return out
-
-    def table(self) -> str:
-        """The per-module table the CLI prints (modules that ran something or were flagged)."""
-        from .console import render_table
-
-        shown = [r for r in self.rows if r.compute != "-" or r.fp32_reason or r.misaligned or r.grads_underflow
-                 or r.params_over or r.grads_over or r.outputs_over or r.grads_nonfinite]
-        rows = [[r.name or "(model)", r.type, r.precision, f"{r.flops / 1e6:.2f}", r.fp32_reason or "",
-                 "; ".join(r.misaligned[:2]) + (" ..." if len(r.misaligned) > 2 else ""),
-                 _count(r.grads_underflow), _count(r.params_over + r.outputs_over + r.grads_over + r.grads_nonfinite),
-                 "" if r.grad_norm is None else f"{r.grad_norm:.3g}"] for r in shown]
-        head = ["module", "type", "precision", "MFLOPs", "float32 because", "off fast path", "grad underflow",
-                "over 65504 / inf", "grad norm"]
-        return render_table(head, rows)
+class CheckTypeError(AmpBackendsError, TypeError):
+    """An argument of the wrong kind; nothing ran."""
 
 
-def _count(n: int) -> str:
-    return str(n) if n else ""
+# -- arguments ---------------------------------------------------------------------------------
+def _loss_scale(loss_scale: Any) -> float:
+    if loss_scale is None:
+        return 2.0**16
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real):
+        raise CheckTypeError(f"check_model: loss_scale must be a positive number (the scaler's scale, default 2**16), "
+                         f"got {type(loss_scale).__name__} {loss_scale!r}")
+    scale = float(loss_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise CheckError(f"check_model: loss_scale must be a positive finite number, got {loss_scale!r}")
+    return scale
 
 
-def _matmul(func: Any, args: tuple[Any, ...]) -> tuple[str, torch.dtype, int, tuple[int, ...]]:
-    """(label, dtype, FLOPs, dimensions that need alignment) of a matmul op: mm/bmm take (a, b),
-    addmm/baddbmm (bias, a, b)."""
-    a, b = (args[1], args[2]) if func in (_aten.addmm.default, _aten.baddbmm.default) else (args[0], args[1])
-    batch, m, k, n = (a.shape[0], a.shape[1], a.shape[2], b.shape[2]) if a.dim() == 3 else (1, *a.shape, b.shape[1])
-    return f"{func.__name__.split('.')[0]} {m}x{n}x{k}", a.dtype, 2 * batch * m * n * k, (m, n, k)
+def _check_devices(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend) -> None:
+    """The model and the inputs must be on the backend's device: autocast acts on that device type only."""
+    where = {t.device.type for t in (*model.parameters(), *model.buffers())}
+    where |= {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    other = sorted(where - {be.device_type})
+    if other:
+        raise CheckError(
+            f"check_model: backend {be.name!r} autocasts {be.device_type!r} tensors, but the model or the inputs "
+            f"are on {', '.join(map(repr, other))}: nothing there would run in the low dtype. Move both with "
+            f".to(amp_backends.get({be.name!r}).device()), or check on that device's backend"
+        )
 
 
-def _convolution(args: tuple[Any, ...], result: torch.Tensor) -> tuple[str, torch.dtype, int, tuple[int, ...]]:
-    """The same for ``aten.convolution`` (input, weight, bias, stride, padding, dilation,
-    transposed, output_padding, groups): the channels need alignment."""
-    x, w = args[0], args[1]
-    groups = args[8] if len(args) > 8 else 1
-    flops = 2 * result.numel() * w.shape[1] * math.prod(w.shape[2:])
-    return f"conv {x.shape[1]}->{w.shape[0]} k{'x'.join(map(str, w.shape[2:]))}", x.dtype, flops, (w.shape[0], w.shape[1] * groups)
+def _check_inputs_finite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    bad = sum(int((~torch.isfinite(t)).sum()) for t in tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor) and t.is_floating_point())
+    if bad:
+        raise CheckError(f"check_model: the example inputs hold {bad} inf/NaN values: the report would describe "
+                         "them, not what AMP does to the model. Pass finite inputs")
 
 
-class _Recorder(TorchDispatchMode):
-    """Attributes each matmul/convolution to the innermost module running."""
+def _loss_of(output: Any, loss_fn: Callable[[Any], Any] | None, params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The scalar to differentiate: ``loss_fn(output)`` (checked), else the mean of the floating outputs
+    that require grad; None where no parameter requires grad (forward only)."""
+    if loss_fn is None:
+        floats = [t for t in tree_leaves(output)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+        return sum(t.float().mean() for t in floats) if floats and params else None  # type: ignore[return-value]
+    loss = loss_fn(output)
+    if not isinstance(loss, torch.Tensor):
+        raise CheckError(f"check_model: loss_fn must return a scalar tensor, got {type(loss).__name__} {loss!r}")
+    if loss.numel() != 1:
+        raise CheckError(f"check_model: loss_fn must return a scalar tensor, got one of shape {tuple(loss.shape)} "
+                         "(reduce it: .mean() or .sum())")
+    if not params:
+        return None
+    if not loss.is_floating_point() or not loss.requires_grad:
+        raise CheckError("check_model: loss_fn's result does not depend on any parameter that requires grad "
+                         "(no backward to check): return a loss computed from the model's output")
+    return loss.reshape(())
 
-    def __init__(self, stack: list[str]) -> None:
-        super().__init__()
-        self.stack = stack
-        self.ops: dict[str, list[tuple[str, torch.dtype, int, str | None]]] = defaultdict(list)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        result = func(*args, **(kwargs or {}))
-        if func in _MATMULS or func in _CONVS:
-            label, dtype, flops, dims = _matmul(func, args) if func in _MATMULS else _convolution(args, result)
-            misaligned = dtype in _LOW and any(d % ALIGN for d in dims)
-            self.ops[self.stack[-1] if self.stack else ""].append((label, dtype, flops, label if misaligned else None))
-        return result
+# -- the runs ------------------------------------------------------------------------------------
+class _Outputs:
+    """Each module's floating outputs, per call, and the dtype of its first floating input."""
+
+    def __init__(self, model: nn.Module, keep: bool) -> None:
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.outputs: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.inputs: dict[str, str] = {}
+        self.over: dict[str, int] = defaultdict(int)
+        self.keep = keep
+        self._handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(self._pre),
+                                                               m.register_forward_hook(self._post))]
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        first = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+        name = self.names.get(id(module), "?")
+        if first is not None and name not in self.inputs:
+            self.inputs[name] = str(first.dtype).replace("torch.", "")
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self.names.get(id(module), "?")
+        floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if floats:
+            self.outputs[name].append(floats[0].detach() if self.keep else floats[0].new_empty(0))
+            self.over[name] += sum(_over(t) for t in floats)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
 
 
 def _over(t: torch.Tensor | None) -> int:
@@ -194,23 +145,37 @@ def _over(t: torch.Tensor | None) -> int:
     return int((t.detach().abs().float() > FP16_MAX).sum())
 
 
-def _first_tensor(x: Any) -> torch.Tensor | None:
-    for leaf in torch.utils._pytree.tree_leaves(x):
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    return None
+def _dense(g: torch.Tensor | None) -> torch.Tensor | None:
+    if g is None:
+        return None
+    if g.is_sparse:
+        g = g.coalesce().to_dense()
+    return g.detach().float()
 
 
-def _default_loss(output: Any) -> torch.Tensor:
-    floats = [t for t in torch.utils._pytree.tree_leaves(output)
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    if not floats:
-        raise ValueError("check_model: the model's output has no floating tensor that requires grad; pass loss_fn")
-    return sum(t.float().mean() for t in floats)  # type: ignore[return-value]
+def _grads(loss: torch.Tensor, params: list[torch.Tensor], scale: float, retain: bool) -> list[torch.Tensor | None]:
+    """Gradients of ``loss * scale`` divided by ``scale`` (float32), without touching ``.grad``."""
+    grads = torch.autograd.grad(loss * scale, params, retain_graph=retain, allow_unused=True)
+    with torch._C._DisableTorchDispatch():  # the check's own arithmetic is not the model's
+        return [None if g is None else _dense(g) / scale for g in grads]
 
 
-def _as_args(example_inputs: Any) -> tuple[Any, ...]:
-    return example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+def _lost(low: list[torch.Tensor | None], ref: list[torch.Tensor | None]) -> list[int]:
+    """Per parameter: gradient elements zero in the low-precision run and not in float32's."""
+    return [0 if a is None or b is None else int(((a == 0) & (b != 0)).sum()) for a, b in zip(low, ref)]
+
+
+def _nonfinite(grads: list[torch.Tensor | None]) -> list[int]:
+    return [0 if g is None else int((~torch.isfinite(g)).sum()) for g in grads]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    if a.shape != b.shape:
+        return None
+    a, b = a.double(), b.double()
+    denom = float(b.norm())
+    diff = float((a - b).norm())
+    return diff / denom if denom else (0.0 if diff == 0 else math.inf)
 
 
 def check_model(
@@ -221,126 +186,232 @@ def check_model(
     *,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     loss_scale: float | None = None,
+    compare: bool = True,
 ) -> ModelReport:
-    """Run one forward and backward of ``model`` on ``example_inputs`` (a tensor or a tuple of
-    positional arguments, already on the backend's device) under the backend's autocast and report
-    what ran in which precision. ``loss_fn(output)`` makes the loss (default: the mean of the
-    floating outputs); ``loss_scale`` the scale to judge fp16 underflow at (default: the scaler's
-    initial scale, 2**16)."""
+    """Run ``model`` on ``example_inputs`` (a tensor, a tuple of positional arguments, or a mapping of
+    keyword arguments, on the backend's device) under the backend's autocast and in float32, and report
+    what ran in which precision and what float16 would lose (see the module docstring). ``loss_fn(output)``
+    makes the loss (default: the mean of the floating outputs that require grad); ``loss_scale`` is
+    the scale the per-module gradient figures are judged at (default 2**16, the scaler's start);
+    ``compare=False`` skips the per-module comparison with float32 (keeps less memory).
+
+    Nothing of the model changes: buffers, gradients, modes, hooks and the global RNG are as before,
+    and no hook or optimizer of the user's sees the check's backward."""
+    from .precision import fp32_modules
     from .registry import resolve_backend
-    from .scaler import GradScaler
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"check_model takes a torch.nn.Module, got {type(model).__name__}")
+        raise CheckTypeError(f"check_model takes a torch.nn.Module, got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise CheckTypeError(f"check_model: loss_fn must be callable (output -> scalar loss), got "
+                        f"{type(loss_fn).__name__} {loss_fn!r}")
     be = resolve_backend(backend)
     low = be.resolve_dtype(dtype)
-    scale = float(loss_scale) if loss_scale is not None else 2.0**16
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"check_model: loss_scale must be a positive finite number, got {loss_scale!r}")
-    from .precision import fp32_modules
+    scale = _loss_scale(loss_scale)
+    args, kwargs = call_args(example_inputs)
+    _check_devices(model, args, kwargs, be)
+    _check_inputs_finite(args, kwargs)
+    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    with untouched(model, be.device_type) as rng:
+        ref_outputs, ref_grads = None, None
+        if compare or low == torch.float16:  # the float32 reference
+            seen = _Outputs(model, keep=compare)
+            try:
+                with torch.autocast(be.device_type, enabled=False):
+                    output = model(*args, **kwargs)
+                loss = _loss_of(output, loss_fn, params)
+                if loss is not None:
+                    ref_grads = _grads(loss, params, 1.0, retain=False)
+            finally:
+                seen.remove()
+            ref_outputs = seen.outputs
+            del output, loss
+            rng.restore()
+        run = _low_run(model, args, kwargs, be, low, loss_fn, params, scale, ref_grads, compare)
+    return _report(model, be, low, scale, run, ref_outputs, ref_grads, params, set(fp32_modules(model)))
 
-    policed = set(fp32_modules(model))
-    names = {id(m): n for n, m in model.named_modules()}
-    stack: list[str] = []
-    outputs_over: dict[str, int] = defaultdict(int)
-    output_dtypes: dict[str, str] = {}
 
-    def pre(module: nn.Module, _: Any) -> None:
-        stack.append(names.get(id(module), "?"))
+@dataclass
+class _Run:
+    ops: list[Op]
+    outputs: _Outputs
+    grads: list[torch.Tensor | None] | None
+    forward_bad: NonFinite | None
+    backward_bad: NonFinite | None
+    scales: dict[float, tuple[int, int]]
+    backwards: int
+    forward_only: bool
 
-    def post(module: nn.Module, _: Any, output: Any) -> None:
-        name = stack.pop() if stack else names.get(id(module), "?")
-        first = _first_tensor(output)
-        if first is not None and first.is_floating_point():
-            output_dtypes[name] = str(first.dtype).replace("torch.", "")
-        outputs_over[name] += sum(_over(t) for t in torch.utils._pytree.tree_leaves(output)
-                                  if isinstance(t, torch.Tensor))
 
-    handles = []
-    for module in model.modules():
-        handles.append(module.register_forward_pre_hook(pre))
-        handles.append(module.register_forward_hook(post, always_call=True))
-    params = [p for p in model.parameters() if p.requires_grad]
-    saved_grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    recorder = _Recorder(stack)
+def _low_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend, low: torch.dtype,
+             loss_fn: Any, params: list[torch.Tensor], scale: float, ref_grads: list[torch.Tensor | None] | None,
+             compare: bool) -> _Run:
+    """The forward under autocast and the backward at ``scale``, every op recorded; then, for float16,
+    more backwards on the same graph at other scales."""
+    from .attribution import Attribution
+
+    attribution = Attribution(model)
+    recorder = OpRecorder(attribution.where)
+    seen = _Outputs(model, keep=compare)
+    grads = None
     try:
-        scaler = GradScaler(be, init_scale=scale, enabled=low == torch.float16)
-        with recorder, be.autocast(low):
-            output = model(*_as_args(example_inputs))
-            loss = (loss_fn or _default_loss)(output)
-        scaler.scale(loss).backward()
-        grads = {id(p): (p.grad.detach().float() if p.grad is not None else None) for p in params}
+        with recorder:
+            with attribution, be.autocast(low):
+                output = model(*args, **kwargs)
+                loss = _loss_of(output, loss_fn, params)
+            if loss is not None:
+                grads = _grads(loss, params, scale if low == torch.float16 else 1.0, retain=low == torch.float16)
     finally:
-        for h in handles:
-            h.remove()
-        for p, g in zip(params, saved_grads):
-            p.grad = g
-        stack.clear()
-    inv = 1.0 / scale if low == torch.float16 else 1.0
+        seen.remove()
+        attribution.remove()
+    forward_bad, backward_bad = recorder.first_nonfinite(False), recorder.first_nonfinite(True)
+    scales: dict[float, tuple[int, int]] = {}
+    backwards = 1 if grads is not None else 0
+    if low == torch.float16 and grads is not None and ref_grads is not None:
+        backwards += _measure_scales(loss, params, ref_grads, scale, grads, scales)
+    del loss
+    return _Run(recorder.ops, seen, grads, forward_bad, backward_bad, scales, backwards, grads is None)
+
+
+def _measure_scales(loss: torch.Tensor, params: list[torch.Tensor], ref: list[torch.Tensor | None], scale: float,
+                    first: list[torch.Tensor | None], scales: dict[float, tuple[int, int]]) -> int:
+    """Scaled backwards on the same graph, at powers of two: the highest with no inf/NaN (searched by
+    bisection, overflow growing with the scale), then the lowest that loses no more gradient values
+    than it (bisection again, losses shrinking with the scale). Returns the backwards run besides the
+    first (at ``scale``)."""
+    lo_k, hi_k = _SCALE_RANGE
+    run = 0
+
+    def measure(k: int) -> tuple[int, int]:
+        nonlocal run
+        s = 2.0**k
+        if s not in scales:
+            grads = first if s == scale else _grads(loss, params, s, retain=True)
+            run += s != scale
+            scales[s] = (sum(_nonfinite(grads)), sum(_lost(grads, ref)))
+        return scales[s]
+
+    k0 = min(max(math.floor(math.log2(scale)), lo_k), hi_k)
+    if measure(k0)[0]:  # overflow at the scale checked: the highest clean one lies below
+        if measure(lo_k)[0]:
+            return run  # overflows even at 2**0: beyond loss scaling
+        clean, bad = lo_k, k0
+    elif not measure(hi_k)[0]:
+        clean, bad = hi_k, hi_k + 1
+    else:
+        clean, bad = k0, hi_k
+    while bad - clean > 1:
+        mid = (clean + bad) // 2
+        clean, bad = (mid, bad) if not measure(mid)[0] else (clean, mid)
+    fewest = measure(clean)[1]
+    low, high = lo_k - 1, clean  # the lowest k in (low, high] losing no more than `fewest`
+    if measure(lo_k)[1] <= fewest:
+        return run
+    low = lo_k
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if measure(mid)[1] <= fewest else (mid, high)
+    return run
+
+
+def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: _Run,
+            ref_outputs: dict[str, list[torch.Tensor]] | None, ref_grads: list[torch.Tensor | None] | None,
+            params: list[torch.Tensor], policed: set[str]) -> ModelReport:
+    by_module: dict[str, list[Op]] = defaultdict(list)
+    for op in run.ops:
+        by_module[op.module].append(op)
+    index = {id(p): i for i, p in enumerate(params)}
+    grads = run.grads
+    fp16 = low == torch.float16
+    lost = _lost(grads, ref_grads) if grads is not None and ref_grads is not None else [0] * len(params)
+    nonfinite = _nonfinite(grads) if grads is not None else [0] * len(params)
     rows: list[ModuleRow] = []
-    totals = defaultdict(int)
-    smallest, largest = math.inf, 0.0
-    norm_sq_total = 0.0
     for name, module in model.named_modules():
-        row = ModuleRow(name, type(module).__name__, output_dtype=output_dtypes.get(name))
-        ops = recorder.ops.get(name, [])
-        if ops:
-            dtypes = {d for _, d, _, _ in ops}
-            row.compute = "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))
-            row.flops = sum(f for _, _, f, _ in ops)
-            row.low_flops = sum(f for _, d, f, _ in ops if d in _LOW)
-            row.misaligned = list(dict.fromkeys(label for _, _, _, label in ops if label))
-            row.misaligned_flops = sum(f for _, _, f, label in ops if label)
-        if name in policed:
-            row.fp32_reason = "precision policy"
-        elif ops and row.low_flops == 0:
-            row.fp32_reason = "autocast: float32 op (or float32 inputs)"
-        elif not ops and isinstance(module, _FP32_BY_AUTOCAST) and row.output_dtype == "float32":
-            row.fp32_reason = "autocast: float32 op"
-        own = list(module.parameters(recurse=False))
-        row.params_over = sum(_over(p) for p in own)
-        row.outputs_over = outputs_over.get(name, 0)
-        sq = 0.0
-        seen_grad = False
-        for p in own:
-            g = grads.get(id(p))
-            if g is None:
-                continue
-            seen_grad = True
-            true = g * inv  # the unscaled gradient
-            finite = torch.isfinite(true)
-            row.grads_nonfinite += int((~finite).sum())
-            true = torch.where(finite, true, torch.zeros_like(true))
-            row.grads_over += _over(true)
-            scaled = true.abs() * scale if low == torch.float16 else true.abs()
-            nonzero = true.abs()[true != 0]
-            if nonzero.numel():
-                smallest = min(smallest, float(nonzero.min()))
-                largest = max(largest, float(nonzero.max()))
-            if low == torch.float16:
-                row.grads_underflow += int(((scaled < FP16_TINY) & (true != 0)).sum())
-            sq += float(true.double().pow(2).sum())
-        if seen_grad:
-            row.grad_norm = math.sqrt(sq)
-            norm_sq_total += sq
-        for key in ("flops", "low_flops", "misaligned_flops", "params_over", "grads_over", "grads_underflow",
-                    "outputs_over", "grads_nonfinite"):
-            totals[key] += getattr(row, key)
+        row = ModuleRow(name, type(module).__name__, output_dtype=_first_dtype(run.outputs.outputs.get(name)))
+        forward = [o for o in by_module.get(name, []) if not o.backward]
+        backward = [o for o in by_module.get(name, []) if o.backward]
+        if forward:
+            row.compute = _dtypes(forward)
+            row.flops = sum(o.flops for o in forward)
+            row.low_flops = sum(o.flops for o in forward if o.dtype in _LOW)
+            row.misaligned = list(dict.fromkeys(o.shape for o in forward if o.misaligned))
+            row.misaligned_flops = sum(o.flops for o in forward if o.misaligned)
+        if backward:
+            row.backward_compute = _dtypes(backward)
+            row.backward_flops = sum(o.flops for o in backward)
+        row.fp32_reason = _fp32_reason(name, module, row, forward, run.outputs.inputs.get(name), policed)
+        own = [p for p in module.parameters(recurse=False) if id(p) in index]
+        row.params_over = sum(_over(p) for p in module.parameters(recurse=False))
+        row.outputs_over = run.outputs.over.get(name, 0)
+        if grads is not None and own:
+            mine = [grads[index[id(p)]] for p in own]
+            finite = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in mine if g is not None]
+            row.grads_nonfinite = sum(nonfinite[index[id(p)]] for p in own)
+            row.grads_underflow = sum(lost[index[id(p)]] for p in own) if fp16 else 0
+            row.grads_over = sum(_over(g) for g in finite)
+            if finite:
+                row.grad_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in finite))
+            if ref_grads is not None:
+                pairs = [(grads[index[id(p)]], ref_grads[index[id(p)]]) for p in own]
+                pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+                if pairs:
+                    row.grad_error = _rel(torch.cat([a.flatten() for a, _ in pairs]),
+                                          torch.cat([b.flatten() for _, b in pairs]))
+        if ref_outputs is not None and run.outputs.outputs.get(name) and ref_outputs.get(name):
+            mine_out, theirs = run.outputs.outputs[name], ref_outputs[name]
+            if len(mine_out) == len(theirs) and all(a.shape == b.shape for a, b in zip(mine_out, theirs)):
+                row.output_error = _rel(torch.cat([a.float().flatten() for a in mine_out]),
+                                        torch.cat([b.float().flatten() for b in theirs]))
         rows.append(row)
+    forward_ops = [o for o in run.ops if not o.backward]
+    unique_finite = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in (grads or []) if g is not None]
+    beyond = fp16 and not run.forward_only and (run.forward_bad is not None or run.scales.get(1.0, (0, 0))[0] > 0)
     safe = None
-    if low == torch.float16 and largest > 0:
-        lo = 2.0 ** math.ceil(math.log2(FP16_TINY / smallest))
-        hi = 2.0 ** math.floor(math.log2(FP16_MAX / largest))
-        safe = (max(lo, 2.0**-24), hi) if lo <= hi else None
+    if fp16 and run.scales and not beyond:
+        clean = {s: v for s, v in run.scales.items() if not v[0]}
+        if clean:
+            fewest = min(v[1] for v in clean.values())
+            best = [s for s, v in clean.items() if v[1] == fewest]
+            safe = (min(best), max(best))
+    notes = []
+    if run.forward_only:
+        notes.append("no parameter requires grad, or the output does not depend on one: forward only "
+                     "(no gradient figures)")
+    fp32_note = be.fp32_note()
+    if fp32_note:
+        notes.append(fp32_note)
+    head = forward_ops[-1].module if forward_ops else None
     return ModelReport(
         backend=be.name, dtype=str(low).replace("torch.", ""), loss_scale=scale, rows=rows,
-        total_flops=totals["flops"], low_flops=totals["low_flops"], misaligned_flops=totals["misaligned_flops"],
-        safe_scales=safe, grad_norm=math.sqrt(norm_sq_total), params_over=totals["params_over"],
-        grads_over=totals["grads_over"], grads_underflow=totals["grads_underflow"],
-        outputs_over=totals["outputs_over"], grads_nonfinite=totals["grads_nonfinite"],
+        total_flops=sum(o.flops for o in forward_ops), low_flops=sum(o.flops for o in forward_ops if o.dtype in _LOW),
+        misaligned_flops=sum(o.flops for o in forward_ops if o.misaligned), safe_scales=safe,
+        grad_norm=math.sqrt(sum(float(g.double().pow(2).sum()) for g in unique_finite)) if grads else math.nan,
+        params_over=sum(_over(p) for p in model.parameters()), grads_over=sum(_over(g) for g in unique_finite),
+        grads_underflow=sum(lost) if fp16 else 0, outputs_over=sum(r.outputs_over for r in rows),
+        grads_nonfinite=sum(nonfinite), backward_flops=sum(o.flops for o in run.ops if o.backward),
+        scales=dict(sorted(run.scales.items())), backwards_run=run.backwards, beyond_scaling=beyond,
+        first_nonfinite_forward=run.forward_bad, first_nonfinite_backward=run.backward_bad, head=head, notes=notes,
     )
+
+
+def _first_dtype(outputs: list[torch.Tensor] | None) -> str | None:
+    return str(outputs[0].dtype).replace("torch.", "") if outputs else None
+
+
+def _dtypes(ops: list[Op]) -> str:
+    return "/".join(sorted({str(o.dtype).replace("torch.", "") for o in ops}))
+
+
+def _fp32_reason(name: str, module: nn.Module, row: ModuleRow, forward: list[Op], input_dtype: str | None,
+                 policed: set[str]) -> str | None:
+    if name in policed:
+        return "precision policy"
+    if forward and row.low_flops == 0:
+        return "float32 input" if input_dtype == "float32" and not isinstance(module, _FP32_BY_AUTOCAST) \
+            else "autocast: float32 op"
+    if not forward and isinstance(module, _FP32_BY_AUTOCAST) and row.output_dtype == "float32":
+        return "autocast: float32 op" if input_dtype in ("float16", "bfloat16") else "float32 input"
+    return None
 
 
 #: Modules whose op autocast runs in float32 whatever the dtype (torch's fp32 lists).
@@ -350,68 +421,3 @@ _FP32_BY_AUTOCAST: tuple[type, ...] = (
 )
 
 
-def load_target(target: str, size: str = "small") -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor] | None]:
-    """``MODULE:FACTORY`` (the factory returns ``(model, example_inputs[, loss_fn])``) or
-    ``bench:NAME``; a clear error for anything else."""
-    import importlib
-
-    from .errors import AmpBackendsError
-
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise AmpBackendsError(f"{target!r} is not MODULE:FACTORY (e.g. mypkg.models:make, or bench:gpt2-small)")
-    if module_name == "bench":
-        from .bench_models import MODELS
-
-        if attr not in MODELS:
-            raise AmpBackendsError(f"bench:{attr}: no such bench model; choose from {', '.join(MODELS)}")
-        spec = MODELS[attr]
-        torch.manual_seed(0)  # the bench's initialisation: the same report every run
-        inputs, targets = spec.batch(size, torch.device("cpu"), None)
-        return spec.build(size), inputs, lambda out: spec.loss(out, targets)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise AmpBackendsError(f"cannot import {module_name!r}: {exc} (is it on PYTHONPATH?)") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise AmpBackendsError(f"{module_name!r} has no callable {attr!r}")
-    made = factory()
-    if not isinstance(made, tuple) or len(made) not in (2, 3) or not isinstance(made[0], nn.Module):
-        raise AmpBackendsError(f"{target} must return (model, example_inputs) or (model, example_inputs, loss_fn), "
-                               f"got {type(made).__name__}")
-    return made[0], made[1], made[2] if len(made) == 3 else None
-
-
-def main(target: str, backend: str | None, dtype: str | None, size: str, policy: str,
-         loss_scale: float | None, as_json: bool) -> int:
-    """``amp-backends check``: print the table and the summary (or JSON)."""
-    import json
-
-    from .errors import AmpBackendsError
-    from .registry import resolve_backend
-
-    if loss_scale is not None and not (math.isfinite(loss_scale) and loss_scale > 0):
-        raise AmpBackendsError(f"--loss-scale must be a positive number, got {loss_scale:g}")
-    be = resolve_backend(backend)
-    model, inputs, loss_fn = load_target(target, size)
-    dev = be.device()
-    model = model.to(dev)
-    inputs = torch.utils._pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, inputs)
-    handle = None
-    if policy == "recipe":
-        from .precision import precision_policy
-
-        handle = precision_policy(model, backend=be)
-    try:
-        report = check_model(model, inputs, be, dtype, loss_fn=loss_fn, loss_scale=loss_scale)
-    finally:
-        if handle is not None:
-            handle.remove()
-    if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
-        print(report.table())
-        print()
-        print(f"{be.name}, {report.dtype}: {report.summary}")
-    return 0

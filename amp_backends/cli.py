@@ -76,10 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What matplotlib's savefig writes by its own name's suffix (the ones it always has).
+_PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")
+
+
 def _check_plot_path(path: str) -> None:
     target = Path(path)
     if not path or target.is_dir():
         raise CLIError(f"--plot needs a PNG file name, got {path!r}")
+    if target.suffix.lower() not in _PLOT_SUFFIXES:
+        raise CLIError(f"--plot {path!r}: matplotlib writes {', '.join(_PLOT_SUFFIXES)} by the name's suffix; "
+                       "name a .png file")
     if not target.parent.is_dir():
         raise CLIError(f"--plot: the folder {str(target.parent)!r} does not exist")
     import importlib.util
@@ -88,9 +95,18 @@ def _check_plot_path(path: str) -> None:
         raise CLIError("--plot needs matplotlib: pip install 'amp-backends[plot]'")
 
 
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      line: str | None = None) -> str:
+    """Warnings as the command's own words: no source line of the package's code."""
+    return f"amp-backends: warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; bad input is one line on stderr and exit status 2, never a traceback."""
+    import warnings
+
     args = _parser().parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     try:
         return _run(args)
     except BrokenPipeError:  # the reader stopped early (`amp-backends info | head -1`): not an error
@@ -132,20 +148,20 @@ def _run(args: argparse.Namespace) -> int:
         )
         return demo_main(cfg, as_json=args.json)
     if args.command == "bench":
-        if args.list:
-            from .bench import list_models
-
-            print(list_models())
-            return 0
-        if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
-            raise CLIError(f"--rounds must be >= 1 and --warmup >= 0, got {args.rounds} and {args.warmup}")
-        if not (math.isfinite(args.scale) and 0 < args.scale <= 8):
-            raise CLIError(f"--scale must be in (0, 8], got {args.scale:g}")
         models = [m.strip() for m in args.models.split(",") if m.strip()]
         unknown = [m for m in models if m not in _BENCH_MODELS]
         if unknown or not models:
             raise CLIError(f"--models: unknown model {', '.join(map(repr, unknown)) or '(none given)'}; "
                            f"choose from {', '.join(_BENCH_MODELS)} (amp-backends bench --list)")
+        if args.list:
+            from .bench import list_models
+
+            print(list_models(as_json=args.json))
+            return 0
+        if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
+            raise CLIError(f"--rounds must be >= 1 and --warmup >= 0, got {args.rounds} and {args.warmup}")
+        if not (math.isfinite(args.scale) and 0 < args.scale <= 8):
+            raise CLIError(f"--scale must be in (0, 8], got {args.scale:g}")
         if args.plot is not None:
             _check_plot_path(args.plot)
         from .bench import main as bench_main
@@ -153,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
         return bench_main(args.backend, list(dict.fromkeys(models)), args.size, args.rounds, args.warmup, args.scale,
                           args.json, args.plot)
     if args.command == "check":
-        from .check import main as check_main
+        from .check_cli import main as check_main
 
         return check_main(args.target, args.backend, args.dtype, args.size, args.policy, args.loss_scale, args.json)
     return 2  # pragma: no cover - argparse rejects unknown commands

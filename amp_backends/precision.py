@@ -6,43 +6,28 @@
     handle.remove()                     # the model is exactly as before
 
 Inside autocast a selected module runs with autocast off for the device types that are active,
-its floating inputs cast to float32; outside autocast nothing changes. Only compute precision
-changes: weights stay in the model's dtype, and ``state_dict`` keys are untouched (the module's
-``forward`` is wrapped on the instance, not the module replaced). What the recipes ask for is the
-preset :data:`RECIPE`: normalisation layers and the final classifier / LM head in float32.
+its floating inputs (and its own float16/bfloat16 weights) cast to float32; outside autocast nothing
+changes. Only compute precision changes: weights stay in the model's dtype, and ``state_dict`` keys
+are untouched (the module's ``forward`` is wrapped on the instance, not the module replaced). What
+the recipes ask for is the preset :data:`RECIPE`: normalisation layers and the final classifier / LM
+head in float32. Policies compose: several may select the same module, and any order of
+:meth:`PrecisionPolicy.remove` leaves exactly the remaining ones' selection.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import warnings
-import fnmatch
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
-__all__ = ["NORM_TYPES", "OP_MODULES", "RECIPE", "PrecisionPolicy", "Selector", "precision_policy"]
+from .fp32_forward import Fp32Forward
+from .selectors import NORM_TYPES, RECIPE, Selector, check_selectors, recipe_head, select
 
-#: What selects a module: a module class, a qualified-name pattern ("head", "*.norm*", fnmatch
-#: syntax, matched against ``model.named_modules()`` names), or a predicate ``(name, module) -> bool``.
-Selector = Union[type, str, Callable[[str, nn.Module], bool]]
-
-#: Normalisation layers, which the recipes keep in float32.
-NORM_TYPES: tuple[type, ...] = tuple(
-    t for t in (
-        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.GroupNorm, nn.LayerNorm,
-        nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm, getattr(nn, "RMSNorm", None),
-    ) if t is not None
-)
-
-#: The preset the recipes describe: normalisation layers and the final classifier / LM head.
-RECIPE = "recipe"
+__all__ = ["NORM_TYPES", "OP_MODULES", "RECIPE", "PrecisionPolicy", "Selector", "fp32_modules", "precision_policy"]
 
 #: The modules that run an op a backend may declare float32-only (``Backend.fp32_ops``).
 OP_MODULES: dict[str, tuple[type, ...]] = {
@@ -59,105 +44,37 @@ OP_MODULES: dict[str, tuple[type, ...]] = {
     "embedding": (nn.Embedding,),
 }
 
-#: Prefixes wrappers add to every qualified name (DDP, torch.compile): patterns match without them.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-_LOW = (torch.float16, torch.bfloat16)
-
-
-def _to_fp32(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.dtype in _LOW:
-        return x.float()
-    return x
-
-
-@functools.lru_cache(maxsize=None)
-def _has_autocast(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type)
-
-
-def _active(args: tuple[Any, ...], kwargs: dict[str, Any], extra: tuple[str, ...]) -> list[str]:
-    """The device types of the inputs (and ``extra``) whose autocast is on now."""
-    types = set(extra)
-    plain = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
-    leaves = args if plain else torch.utils._pytree.tree_leaves((args, kwargs))
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            types.add(leaf.device.type)
-    return [t for t in types if _has_autocast(t) and torch.is_autocast_enabled(t)]
-
-
-class _Fp32Forward:
-    """A selected module's ``forward``, set on the instance: autocast off and float32 inputs while
-    autocast is on, the module's own forward otherwise. A picklable object, not a closure, that
-    follows the module when it is copied (``copy.deepcopy``, as torch.compile's fake-tensor
-    propagation copies modules), so a copy never runs the original's parameters.
-
-    Every policy selecting the module holds the same wrapper (``holders``: policy id -> the device
-    types it named); the wrapper works while anyone holds it, and passes straight through once no one
-    does but something was wrapped on top of it since (an Accelerate hook, a user's own wrapper)."""
-
-    def __init__(self, module: nn.Module, previous: Any = None) -> None:
-        self.module = module
-        #: the instance's own forward before the policy (another wrapper), or None: the class's
-        self.previous = previous
-        self.holders: dict[int, tuple[str, ...]] = {}
-
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.holders:
-            return self._forward(*args, **kwargs)
-        extra = tuple(t for types in self.holders.values() for t in types)
-        active = _active(args, kwargs, extra)
-        if not active:
-            return self._forward(*args, **kwargs)  # outside autocast: exactly the module's own forward
-        if len(active) == 1 and not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
-            with torch.autocast(active[0], enabled=False):  # the common case: one tensor in
-                return self._forward(_to_fp32(args[0]))
-        with contextlib.ExitStack() as stack:
-            for device_type in active:
-                stack.enter_context(torch.autocast(device_type, enabled=False))
-            args, kwargs = tree_map(_to_fp32, (args, kwargs))
-            return self._forward(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Fp32Forward:
-        copied = _Fp32Forward(copy.deepcopy(self.module, memo), copy.deepcopy(self.previous, memo))
-        copied.holders = dict(self.holders)
-        return copied
-
-
-def _strip(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
-            elif name + "." == prefix:
-                name, changed = "", True
-    return name
-
-
-def _head(model: nn.Module) -> str | None:
-    """The final classifier / LM head: the last ``nn.Linear`` registered in the model."""
-    last = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            last = name
-    return last
-
 
 @dataclass
 class PrecisionPolicy:
     """The modules a :func:`precision_policy` runs in float32; :meth:`remove` undoes it."""
 
     model: nn.Module
-    #: qualified name -> why it was selected ("BatchNorm2d", "'head'", "the head", "backend 'mlu': ...")
-    selected: dict[str, str] = field(default_factory=dict)
-    _held: dict[str, tuple[nn.Module, _Fp32Forward]] = field(default_factory=dict, repr=False)
+    _held: dict[str, tuple[nn.Module, Fp32Forward]] = field(default_factory=dict, repr=False)
+    _reasons: dict[str, str] = field(default_factory=dict, repr=False)
+    #: modules a selector picked that a policy cannot run in float32 this way, with why
+    skipped: dict[str, str] = field(default_factory=dict)
+    #: how the recipe found the head ("" without the recipe)
+    head_found_by: str = ""
+    _removed: bool = field(default=False, repr=False)
+
+    @property
+    def selected(self) -> dict[str, str]:
+        """Qualified name -> why it runs in float32 ("BatchNorm2d", "pattern 'head'", "recipe: ..."),
+        for the modules still at those names (a module replaced since is no longer run by the policy)."""
+        return {name: why for name, why in self._reasons.items() if self._in_place(name)}
+
+    @property
+    def replaced(self) -> list[str]:
+        """Names whose module was replaced after the policy: the new module is not in float32."""
+        return [name for name in self._reasons if not self._in_place(name)]
+
+    def _in_place(self, name: str) -> bool:
+        module, _ = self._held.get(name, (None, None))
+        try:
+            return module is not None and self.model.get_submodule(name) is module
+        except AttributeError:
+            return False
 
     def remove(self) -> None:
         """Undo this policy: each module it selected runs as it would without it. A module another
@@ -171,6 +88,7 @@ class PrecisionPolicy:
                 else:
                     module.forward = wrapper.previous
         self._held.clear()
+        self._removed = True
 
     @property
     def active(self) -> bool:
@@ -184,41 +102,38 @@ class PrecisionPolicy:
 
     def __repr__(self) -> str:
         names = ", ".join(self.selected) or "none"
-        return f"<PrecisionPolicy fp32: {names}{'' if self.active else ' (removed)'}>"
+        return f"<PrecisionPolicy fp32: {names}{' (removed)' if self._removed else ''}>"
 
 
-def _reason(name: str, module: nn.Module, selectors: Sequence[Selector], head: str | None) -> str | None:
-    bare = _strip(name)
-    for selector in selectors:
-        if selector == RECIPE:
-            if isinstance(module, NORM_TYPES):
-                return f"recipe: {type(module).__name__}"
-            if head is not None and name == head:
-                return "recipe: the final classifier / head"
-        elif isinstance(selector, str):
-            if fnmatch.fnmatchcase(bare, selector):
-                return f"pattern {selector!r}"
-        elif isinstance(selector, type):
-            if isinstance(module, selector):
-                return selector.__name__
-        elif callable(selector):
-            if selector(bare, module):
-                return f"predicate {getattr(selector, '__name__', 'callable')}"
-    return None
+def _device_types(device_types: Any) -> tuple[str, ...]:
+    if isinstance(device_types, str):
+        device_types = (device_types,)
+    types = tuple(device_types)
+    for t in types:
+        if not isinstance(t, str) or not torch.amp.is_autocast_available(t):
+            known = [d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mlu", "npu", "musa")
+                     if torch.amp.is_autocast_available(d)]
+            raise ValueError(f"precision_policy(device_types=...): {t!r} is not a device type with autocast here; "
+                             f"use device types such as {', '.join(map(repr, known))}")
+    return types
 
 
-def _check_selectors(fp32: Any) -> list[Selector]:
-    if isinstance(fp32, (str, type)) or callable(fp32) and not isinstance(fp32, (list, tuple)):
-        fp32 = [fp32]
-    selectors = list(fp32)
-    for s in selectors:
-        if isinstance(s, type) and not issubclass(s, nn.Module):
-            raise TypeError(f"precision_policy: {s.__name__} is not a torch.nn.Module class; pass module classes, "
-                            "name patterns (str) or predicates (name, module) -> bool")
-        if not isinstance(s, (str, type)) and not callable(s):
-            raise TypeError(f"precision_policy: a selector must be a module class, a name pattern or a predicate, "
-                            f"got {type(s).__name__} {s!r}")
-    return selectors
+def _backend_ops(backend: Any) -> list[tuple[str, tuple[type, ...]]]:
+    from .registry import resolve_backend
+
+    be = resolve_backend(backend)
+    note = be.fp32_note()
+    if note:
+        warnings.warn(f"precision_policy: the modules it selects run with autocast off, but {note}",
+                      RuntimeWarning, stacklevel=3)
+    ops = be.fp32_ops
+    extra = []
+    for op in ((ops,) if isinstance(ops, str) else tuple(ops or ())):
+        if op not in OP_MODULES:
+            raise ValueError(f"backend {be.name!r} declares fp32 op {op!r}, which no module is known to run; "
+                             f"known: {', '.join(sorted(OP_MODULES))}")
+        extra.append((f"backend {be.name!r}: {op} in float32", OP_MODULES[op]))
+    return extra
 
 
 def precision_policy(
@@ -226,65 +141,43 @@ def precision_policy(
     fp32: Selector | Sequence[Selector] = (RECIPE,),
     *,
     backend: Any = None,
-    device_types: Sequence[str] = (),
+    device_types: str | Sequence[str] = (),
+    example_inputs: Any = None,
 ) -> PrecisionPolicy:
     """Run the modules ``fp32`` selects in float32 inside autocast; returns a handle to remove it.
 
     ``fp32``: module classes, qualified-name patterns (fnmatch; wrapper prefixes such as DDP's
-    ``module.`` and torch.compile's ``_orig_mod.`` are ignored), predicates ``(name, module)``, or
-    :data:`RECIPE` (the default: normalisation layers and the last ``nn.Linear``, the head).
-    ``backend`` (a name or Backend): its declared ``fp32_ops`` select the modules running them too.
-    Autocast is switched off for the device types of a module's inputs that have it enabled, and
-    for ``device_types`` (for modules without tensor inputs). A selector that matches nothing raises.
-    """
+    ``module.`` and torch.compile's ``_orig_mod.`` are ignored), module instances, predicates
+    ``(name, module) -> bool``, or :data:`RECIPE` (the default: normalisation layers and the head,
+    found by running the model on ``example_inputs`` where given, else the last ``nn.Linear``
+    registered). ``backend`` (a name or Backend): its declared ``fp32_ops`` select the modules running
+    them too. Autocast is switched off for the device types of a module's inputs that have it enabled,
+    and for ``device_types`` (for modules without tensor inputs). Anything that cannot work is refused
+    before anything changes: a selector matching nothing, a predicate that raises."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"precision_policy takes a torch.nn.Module, got {type(model).__name__}")
-    selectors = _check_selectors(fp32)
-    extra: list[tuple[str, tuple[type, ...]]] = []
-    if backend is not None:
-        from .registry import resolve_backend
-
-        be = resolve_backend(backend)
-        note = be.fp32_note()
-        if note:
-            warnings.warn(f"precision_policy: the modules it selects run with autocast off, but {note}",
-                          RuntimeWarning, stacklevel=2)
-        for op in getattr(be, "fp32_ops", ()):
-            if op not in OP_MODULES:
-                raise ValueError(f"backend {be.name!r} declares fp32 op {op!r}, which no module is known to run; "
-                                 f"known: {', '.join(sorted(OP_MODULES))}")
-            extra.append((f"backend {be.name!r}: {op} in float32", OP_MODULES[op]))
-    head = _head(model) if RECIPE in selectors else None
-    policy = PrecisionPolicy(model)
-    matched: set[int] = set()
-    for name, module in model.named_modules():
-        if name in policy.selected:
-            continue
-        reason = _reason(name, module, selectors, head)
-        if reason is None:
-            reason = next((why for why, types in extra if isinstance(module, types)), None)
-        if reason is None:
-            continue
-        for i, s in enumerate(selectors):
-            if _reason(name, module, [s], head) is not None:
-                matched.add(i)
+    selectors = check_selectors(fp32)
+    types = _device_types(device_types)
+    extra = _backend_ops(backend) if backend is not None else []
+    head, how = (None, "")
+    if RECIPE in selectors:
+        head, how = recipe_head(model, example_inputs)
+        if head is None and example_inputs is not None:
+            warnings.warn(f"precision_policy: the recipe's head is not selected: {how}", RuntimeWarning, stacklevel=2)
+    chosen, skipped = select(model, selectors, head=head, extra=extra)
+    policy = PrecisionPolicy(model, skipped=skipped, head_found_by=how)
+    for name, (module, reason) in chosen.items():
         wrapper = module.__dict__.get("forward")
-        if not isinstance(wrapper, _Fp32Forward):  # else another policy's: held by this one too
-            wrapper = module.forward = _Fp32Forward(module, module.__dict__.get("forward"))
-        wrapper.holders[id(policy)] = tuple(device_types)
+        if not isinstance(wrapper, Fp32Forward):  # else another policy's: held by this one too
+            wrapper = module.forward = Fp32Forward(module, module.__dict__.get("forward"))
+        wrapper.holders[id(policy)] = types
         policy._held[name] = (module, wrapper)
-        policy.selected[name] = reason
-    unmatched = [s for i, s in enumerate(selectors) if i not in matched and s != RECIPE]
-    if unmatched:
-        policy.remove()
-        shown = ", ".join(s.__name__ if isinstance(s, type) else repr(s) for s in unmatched)
-        names = [_strip(n) for n, _ in model.named_modules() if n][:12]
-        raise ValueError(f"precision_policy: {shown} selects no module of this model (nothing changed). "
-                         f"Module names look like: {', '.join(names)}{' ...' if len(names) == 12 else ''}")
+        policy._reasons[name] = reason
     return policy
 
 
 def fp32_modules(model: nn.Module) -> list[str]:
     """The qualified names of the modules a policy runs in float32 (as installed now)."""
     return [name for name, m in model.named_modules()
-            if isinstance(m.__dict__.get("forward"), _Fp32Forward) and m.__dict__["forward"].holders]
+            if isinstance(m.__dict__.get("forward"), Fp32Forward) and m.__dict__["forward"].holders]
+
