@@ -16,7 +16,7 @@ from .errors import PerformanceWarning, UnsupportedDtypeError
 from .flat import FlatGroup, GradGroup
 from .kernels import TORCH_KERNEL, Kernel, add_sum_of_squares
 
-__all__ = ["Backend", "group_by_device_and_dtype", "provide"]
+__all__ = ["FP8_RECIPES", "Backend", "group_by_device_and_dtype", "provide"]
 
 #: What the layers above lend this one, so that it imports neither: "grad_scaler" (from
 #: amp_backends.scaler: backend, needs_scaling, kwargs -> GradScaler) and "kernel" (from
@@ -55,6 +55,12 @@ def _kernel_op(kernel: Kernel, found_inf: torch.Tensor, inv_scale: torch.Tensor 
     if norm_sq is None:
         return kernel.unscale_and_check_, (found_inf, inv_scale)
     return kernel.unscale_check_norm_, (found_inf, inv_scale, norm_sq)
+
+
+#: torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``): per-tensor dynamic
+#: scaling (fastest), per-row scaling with power-of-two scales, and per-row with the weight gradient
+#: kept in high precision (most accurate).
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 class Backend:
@@ -158,6 +164,17 @@ class Backend:
             cache = self.__dict__["_autocast_dtype_cache"] = {}
         return cache
 
+    #: instance attributes (dicts) where a backend keeps what it asked the device once; ``forget_probes``
+    #: empties them. A backend with caches of its own names them here.
+    probe_caches: tuple[str, ...] = ("_probed", "_fused_probed", "_autocast_dtype_cache")
+
+    def forget_probes(self) -> None:
+        """Forget what was asked of the device (``amp_backends.reprobe()`` calls it on every backend)."""
+        for attr in self.probe_caches:
+            cache = self.__dict__.get(attr)
+            if isinstance(cache, dict):
+                cache.clear()
+
     # -- availability -----------------------------------------------------------------
     def is_available(self) -> bool:
         """Whether the device can be used on this machine."""
@@ -195,6 +212,24 @@ class Backend:
         than float32: entering autocast in it warns with :class:`PerformanceWarning`.
         """
         return self.supported_dtypes()
+
+    # -- fp8 (declare; a precision policy's fp8= uses it) ----------------------------------
+    def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The fp8 dtypes the device's matmuls take natively (``torch._scaled_mm`` or the vendor's own),
+        e.g. ``(torch.float8_e4m3fn, torch.float8_e5m2)``; () where it has none (the default)."""
+        return ()
+
+    def fp8_recipes(self) -> tuple[str, ...]:
+        """The fp8 training recipes (:data:`FP8_RECIPES`) the device runs: all of them
+        where it has fp8 matmuls, else none."""
+        return FP8_RECIPES if self.fp8_dtypes() else ()
+
+    def fp8_linear(self, linear: torch.nn.Linear, config: Any) -> torch.nn.Module | None:
+        """A vendor's own fp8 layer replacing ``linear`` (``config``: torchao's ``Float8LinearConfig``),
+        or None (the default) for torchao's ``Float8Linear``. A vendor layer must keep ``linear``'s
+        parameter objects under the same names (``weight``, ``bias``) and set ``is_fp8 = True`` on its
+        class."""
+        return None
 
     def emulation_reason(self, dtype: torch.dtype) -> str:
         """What the device lacks for ``dtype`` to be native (shown in the warning and ``info``)."""

@@ -8,7 +8,10 @@ modes interleaved round by round after warm-up, so that drift of the machine hit
 - ``amp-<dtype>`` for each autocast dtype of the backend, through amp_backends (autocast and
   the backend's scaler);
 - ``torch-<dtype>``: the same step through raw ``torch.autocast`` + ``torch.amp.GradScaler``,
-  so ``overhead_vs_torch`` is the adapter's cost.
+  so ``overhead_vs_torch`` is the adapter's cost;
+- ``amp-fp8`` and ``torchao-fp8`` where the device has fp8 matmuls: the fp8 recipe's Linear layers in
+  fp8 under bf16 autocast, through a precision policy and through torchao directly
+  (``overhead_vs_torchao``); elsewhere the rows say why (:mod:`amp_backends.bench_fp8`).
 
 Speedups are medians of per-round ratios (the modes of one round ran back to back), with the
 interquartile range of those ratios; a verdict ("faster", "slower") is given only when that
@@ -31,13 +34,12 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .backend import Backend
-from .bench_models import MODELS, REAL_MODELS, format_params, param_count
+from .bench_models import MODELS, REAL_MODELS, Mode, format_params, param_count
 from .errors import AmpBackendsError, PerformanceWarning
 from .registry import get
 
@@ -50,19 +52,6 @@ HOST_BOUND_MS = 10.0
 EMULATED_ROUNDS = 2
 #: A ratio's interquartile range must clear 1 by this much for a verdict.
 MARGIN = 0.02
-
-
-@dataclass(frozen=True)
-class Mode:
-    """One way to run the training step."""
-
-    name: str
-    #: "full" (fp32, tf32), "amp" (through amp_backends) or "torch" (raw torch.amp)
-    via: str
-    dtype: torch.dtype | None = None
-    native: bool = True
-    #: why the mode cannot run here (then it is listed, not measured)
-    unavailable: str | None = None
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -89,6 +78,10 @@ def modes_for(be: Backend) -> list[Mode]:
         if dtype in be.supported_dtypes():
             name = _dtype_name(dtype)
             modes += [Mode(f"amp-{name}", "amp", dtype, dtype in native), Mode(f"torch-{name}", "torch", dtype, dtype in native)]
+    from .bench_fp8 import FP8_MODES, fp8_unavailable
+
+    why_not = fp8_unavailable(be)
+    modes += [Mode(name, via, torch.bfloat16, unavailable=why_not) for name, via in FP8_MODES]
     return modes
 
 
@@ -242,25 +235,34 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                 model = spec.build(size).to(be.device())
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 data = spec.batch(size, be.device(), batch)
-                steps = {m.name: make_step(be, model, opt, spec.loss, data, m) for m in runnable}
+                steps = {m.name: make_step(be, model, opt, spec.loss, data, m) for m in runnable if not _fp8(m)}
+                reasons = {}
+                if any(_fp8(m) for m in runnable):
+                    from .bench_fp8 import make_fp8_steps
+
+                    fp8_steps, why_not = make_fp8_steps(be, model, spec.loss, data)
+                    steps.update(fp8_steps)
+                    reasons.update({m.name: why_not for m in runnable if _fp8(m) and why_not})
                 bar.start(f"{name}: peak memory")
                 memory = {}
                 for m in runnable:
-                    memory[m.name] = peak_memory(be, steps[m.name])
+                    if m.name in steps:
+                        memory[m.name] = peak_memory(be, steps[m.name])
                     bar.step()
-                return model, steps, memory
+                return model, steps, memory, reasons
 
-            (model, steps, memory), batch = _fit(be, name, size, target, build)
+            (model, steps, memory, reasons), batch = _fit(be, name, size, target, build)
+            active = [m for m in runnable if m.name in steps]
             params = sum(p.numel() for p in model.parameters())
             bar.start(f"{name}: warm-up")
-            for m in runnable:
+            for m in active:
                 for _ in range(warmup):
                     steps[m.name]()
                     bar.step()
-            times: dict[str, list[float]] = {m.name: [] for m in runnable}
+            times: dict[str, list[float]] = {m.name: [] for m in active}
             for r in range(rounds):
                 bar.start(f"{name}: round {r + 1}/{rounds}")
-                order = runnable if r % 2 == 0 else runnable[::-1]
+                order = active if r % 2 == 0 else active[::-1]
                 for m in order:
                     if not m.native and r >= EMULATED_ROUNDS:
                         continue  # emulated: measured briefly, labelled
@@ -271,7 +273,7 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                     times[m.name].append(time.perf_counter() - t0)
                     bar.step()
             del model, steps
-            rows += _rows(name, params, modes, times, memory)
+            rows += _rows(name, params, modes, times, memory, reasons)
             longest_ms = 1e3 * max(statistics.median(t) for t in times.values())
             notes[name] = {"batch": batch, "input": spec.shapes[size], "size": size,
                            "host_bound": longest_ms < HOST_BOUND_MS}
@@ -300,8 +302,12 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
     }
 
 
+def _fp8(mode: Mode) -> bool:
+    return mode.via in ("amp-fp8", "torchao-fp8")
+
+
 def _rows(model: str, params: int, modes: list[Mode], times: dict[str, list[float]],
-          memory: dict[str, tuple[int, str]]) -> list[dict[str, Any]]:
+          memory: dict[str, tuple[int, str]], reasons: dict[str, str] | None = None) -> list[dict[str, Any]]:
     fp32 = times["fp32"]
     full = [m.name for m in modes if m.via == "full" and m.name in times]
     best_full = min(full, key=lambda n: statistics.median(times[n]))
@@ -312,7 +318,7 @@ def _rows(model: str, params: int, modes: list[Mode], times: dict[str, list[floa
                                "dtype": _dtype_name(m.dtype) if m.via != "full" else m.name, "native": m.native}
         if m.name not in times:
             row.update(step_ms=None, peak_mem_bytes=None, speedup_vs_fp32=None, speedup_vs_best_full_precision=None,
-                       unavailable=m.unavailable, verdict="n/a")
+                       unavailable=m.unavailable or (reasons or {}).get(m.name), verdict="n/a")
             rows.append(row)
             continue
         t = times[m.name]
@@ -335,6 +341,8 @@ def _rows(model: str, params: int, modes: list[Mode], times: dict[str, list[floa
             theirs = times.get(f"torch-{_dtype_name(m.dtype)}")
             if theirs:
                 row["overhead_vs_torch"] = statistics.median(_ratios(t, theirs))
+        if m.via == "amp-fp8" and times.get("torchao-fp8"):
+            row["overhead_vs_torchao"] = statistics.median(_ratios(t, times["torchao-fp8"]))
         rows.append(row)
     return rows
 
@@ -344,7 +352,8 @@ def recommend(rows: list[dict[str, Any]], notes: dict[str, dict[str, Any]] | Non
     whether the rounds show it clearly, and each mode's peak memory."""
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model and r.get("step_ms") is not None and r["via"] != "torch"]
+        mine = [r for r in rows if r["model"] == model and r.get("step_ms") is not None
+                and r["via"] not in ("torch", "torchao-fp8")]
         ranked = sorted(mine, key=lambda r: r["step_ms"])
         best, runner = ranked[0], (ranked[1] if len(ranked) > 1 else None)
         host_bound = bool((notes or {}).get(model, {}).get("host_bound"))
@@ -388,7 +397,8 @@ def render(result: dict[str, Any]) -> str:
             table_rows.append([r["model"], r["mode"], "-", "n/a", "", "", "", "", "", r.get("unavailable") or ""])
             continue
         low, high = r["speedup_vs_fp32_iqr"]
-        overhead = f"{r['overhead_vs_torch']:.3f}" if "overhead_vs_torch" in r else ""
+        overhead = r.get("overhead_vs_torch", r.get("overhead_vs_torchao"))
+        overhead = f"{overhead:.3f}" if overhead is not None else ""
         native = "yes" if r["native"] else f"no ({r['rounds']} rounds)"
         table_rows.append([
             r["model"], r["mode"], native, f"{r['step_ms']:.1f}",
@@ -398,7 +408,7 @@ def render(result: dict[str, Any]) -> str:
         ])
     table = render_table(
         ["model", "mode", "native", "step ms", "vs fp32 [IQR]", "vs best full", "peak MiB", "saving",
-         "vs torch.amp", "verdict"],
+         "vs torch / torchao", "verdict"],
         table_rows, markdown=True, right=(3, 4, 5, 6, 7, 8))
     sizes = ", ".join(f"{m} batch {n['batch']} x {n['input']}" for m, n in result["models"].items())
     advice = []

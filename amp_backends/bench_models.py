@@ -24,7 +24,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ModelSpec", "SIZES", "REAL_MODELS", "TOY_MODELS", "MODELS", "param_count", "format_params"]
+@dataclass(frozen=True)
+class Mode:
+    """One way to run the training step."""
+
+    name: str
+    #: "full" (fp32, tf32), "amp" (through amp_backends), "torch" (raw torch.amp), "amp-fp8" or "torchao-fp8"
+    via: str
+    dtype: torch.dtype | None = None
+    native: bool = True
+    #: why the mode cannot run here (then it is listed, not measured)
+    unavailable: str | None = None
+
+
+__all__ = ["Mode", "ModelSpec", "SIZES", "REAL_MODELS", "TOY_MODELS", "MODELS", "param_count", "format_params"]
 
 SIZES = ("full", "small")
 

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
+from . import fp8
 from .backend import Backend
 from .errors import AmpBackendsError
 from .isolation import call_args, untouched
@@ -214,16 +215,17 @@ def check_model(
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
     with untouched(model, be.device_type) as rng:
         ref_outputs, ref_grads = None, None
-        if compare or low == torch.float16:  # the float32 reference
-            seen = _Outputs(model, keep=compare)
-            try:
-                with torch.autocast(be.device_type, enabled=False):
-                    output = model(*args, **kwargs)
-                loss = _loss_of(output, loss_fn, params)
-                if loss is not None:
-                    ref_grads = _grads(loss, params, 1.0, retain=False)
-            finally:
-                seen.remove()
+        if compare or low == torch.float16:  # the float32 reference (fp8 layers as plain Linear layers)
+            with fp8.as_linear(model):
+                seen = _Outputs(model, keep=compare)
+                try:
+                    with torch.autocast(be.device_type, enabled=False):
+                        output = model(*args, **kwargs)
+                    loss = _loss_of(output, loss_fn, params)
+                    if loss is not None:
+                        ref_grads = _grads(loss, params, 1.0, retain=False)
+                finally:
+                    seen.remove()
             ref_outputs = seen.outputs
             del output, loss
             rng.restore()
@@ -339,7 +341,17 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
         if backward:
             row.backward_compute = _dtypes(backward)
             row.backward_flops = sum(o.flops for o in backward)
-        row.fp32_reason = _fp32_reason(name, module, row, forward, run.outputs.inputs.get(name), policed)
+        if fp8.is_fp8(module):
+            row.fp8 = f"fp8 ({fp8.describe_layer(module)})"
+            row.fp8_flops = row.flops
+            row.low_flops = 0
+            fp8_compute = f"float8{' (emulated)' if 'emulated' in row.fp8 else ''}"
+            row.compute = fp8_compute if forward else row.compute
+            row.backward_compute = fp8_compute if backward else row.backward_compute
+        elif isinstance(module, nn.Linear):
+            row.fp8 = fp8.eligibility(module) or "eligible"
+        if not row.fp8_flops:
+            row.fp32_reason = _fp32_reason(name, module, row, forward, run.outputs.inputs.get(name), policed)
         own = [p for p in module.parameters(recurse=False) if id(p) in index]
         row.params_over = sum(_over(p) for p in module.parameters(recurse=False))
         row.outputs_over = run.outputs.over.get(name, 0)
@@ -364,6 +376,7 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
                                         torch.cat([b.float().flatten() for b in theirs]))
         rows.append(row)
     forward_ops = [o for o in run.ops if not o.backward]
+    fp8_modules = {r.name for r in rows if r.fp8 and r.fp8.startswith("fp8 (")}
     unique_finite = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in (grads or []) if g is not None]
     beyond = fp16 and not run.forward_only and (run.forward_bad is not None or run.scales.get(1.0, (0, 0))[0] > 0)
     safe = None
@@ -383,7 +396,9 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
     head = forward_ops[-1].module if forward_ops else None
     return ModelReport(
         backend=be.name, dtype=str(low).replace("torch.", ""), loss_scale=scale, rows=rows,
-        total_flops=sum(o.flops for o in forward_ops), low_flops=sum(o.flops for o in forward_ops if o.dtype in _LOW),
+        total_flops=sum(o.flops for o in forward_ops),
+        low_flops=sum(o.flops for o in forward_ops if o.dtype in _LOW and o.module not in fp8_modules),
+        fp8_flops=sum(o.flops for o in forward_ops if o.module in fp8_modules),
         misaligned_flops=sum(o.flops for o in forward_ops if o.misaligned), safe_scales=safe,
         grad_norm=math.sqrt(sum(float(g.double().pow(2).sum()) for g in unique_finite)) if grads else math.nan,
         params_over=sum(_over(p) for p in model.parameters()), grads_over=sum(_over(g) for g in unique_finite),

@@ -56,7 +56,7 @@ def load_target(target: str, size: str = "small") -> tuple[nn.Module, Any, Calla
 
 
 def main(target: str, backend: str | None, dtype: str | None, size: str, policy: str,
-         loss_scale: float | None, as_json: bool) -> int:
+         loss_scale: float | None, as_json: bool, fp8: str | None = None) -> int:
     """``amp-backends check``: print the table and the summary (or JSON, alone on stdout)."""
     import contextlib
     import json
@@ -74,15 +74,20 @@ def main(target: str, backend: str | None, dtype: str | None, size: str, policy:
         model = model.to(dev)
         inputs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, inputs)
         handle = None
-        if policy == "recipe":
-            from .precision import precision_policy
+        if policy == "recipe" or fp8:
+            from .precision import RECIPE, precision_policy
 
-            handle = precision_policy(model, backend=be, example_inputs=inputs)
+            handle = precision_policy(model, fp32=RECIPE if policy == "recipe" else (), backend=be,
+                                      example_inputs=inputs, fp8=[nn.Linear] if fp8 else None,
+                                      fp8_recipe=fp8 or "tensorwise", emulate=bool(fp8) and not be.fp8_dtypes())
         try:
             report = check_model(model, inputs, be, dtype, loss_fn=loss_fn, loss_scale=loss_scale)
         finally:
             if handle is not None:
                 handle.remove()
+        if fp8 and not be.fp8_dtypes():
+            report.notes.append(f"fp8 emulated: backend {be.name!r} has no fp8 matmul, so the figures are fp8's "
+                                "numerics, not its speed")
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -8,7 +8,9 @@ processes saving to one path never delete each other's); a symlink is followed; 
 file's own metadata uses cannot be overridden by the state; the file's mode follows the umask as
 any new file's does. ``load`` verifies the checksum before unpickling (with
 ``torch.load(weights_only=True)``) and turns every way a file can be wrong into one
-CheckpointError that names the file.
+CheckpointError that names the file. What a state may hold, and how numpy values, paths, dates and
+argument namespaces come back as they were, is :mod:`amp_backends.checkpoint_values`: a value
+``load`` could not read back is refused by ``save``, before anything is written.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import socket
 import tempfile
 from collections.abc import Mapping
@@ -24,10 +27,12 @@ from typing import Any
 
 import torch
 
+from . import checkpoint_values
 from .errors import AmpBackendsError
 
 FORMAT = "amp-backends-checkpoint"
-VERSION = 2
+VERSION = 3  # 3: tagged values (numpy, paths, dates, namespaces); 2 is read too
+_READS = (b"2", b"3")
 _MAGIC = FORMAT.encode()
 
 __all__ = ["CheckpointError", "check_destination", "load", "save"]
@@ -70,18 +75,44 @@ def _abandoned(temp: Path, target: Path) -> bool:
     return False
 
 
+def _shown(text: object) -> str:
+    """``text`` with control characters (terminal escape codes in a file name or a message) escaped."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], str(text))
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _resolve(path: str | os.PathLike[str], action: str) -> Path:
+    """``path`` as a Path, following a symlink to what it names; a clear error for an empty path or a
+    symlink that never ends in a file (a loop)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"the checkpoint path must be a str or a path, got {type(path).__name__}")
+    if not os.fspath(path):
+        raise CheckpointError(f"the checkpoint path is empty: give the file {action}")
+    target = Path(path)
+    if target.is_symlink():
+        try:
+            target = Path(os.path.realpath(target, strict=True)) if target.exists() else target.resolve(strict=False)
+        except (OSError, RuntimeError):
+            raise CheckpointError(f"{_shown(path)} is a symlink that loops (it never names a file): replace the "
+                                  "link or give another path") from None
+        if target.is_symlink():
+            raise CheckpointError(f"{_shown(path)} is a symlink that loops (it never names a file): replace the "
+                                  "link or give another path")
+    return target
+
+
 def check_destination(path: str | os.PathLike[str]) -> Path:
     """Make sure a checkpoint can be written at ``path`` (before any training is spent)."""
-    target = Path(path)
-    if not str(path):
-        raise CheckpointError("the checkpoint path is empty: give a file name")
+    target = _resolve(path, "to write")
     if target.is_dir():
         raise CheckpointError(f"{target} is a directory: give a file name inside it, e.g. {target / 'demo.ckpt'}")
     parent = target.parent
     for ancestor in (parent, *parent.parents):
         if ancestor.exists():
             if not ancestor.is_dir():
-                raise CheckpointError(f"cannot write {target}: {ancestor} is a file, not a directory")
+                raise CheckpointError(f"cannot write {_shown(target)}: {_shown(ancestor)} is a file, not a directory")
             break
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +120,7 @@ def check_destination(path: str | os.PathLike[str]) -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise CheckpointError(f"cannot write {target}: {exc.strerror or exc}") from None
+        raise CheckpointError(f"cannot write {_shown(target)}: {exc.strerror or exc}") from None
     return target
 
 
@@ -100,23 +131,27 @@ def _umask_mode() -> int:
 
 
 def save(path: str | os.PathLike[str], state: Mapping[str, Any], kind: str) -> Path:
-    """Write ``state`` (tensors, numbers, strings, dicts, lists) to ``path`` atomically.
+    """Write ``state`` (tensors, numbers, strings, dicts, lists; numpy values, paths, dates and
+    argument namespaces too) to ``path`` atomically. A value :func:`load` could not read back is
+    refused first, naming where it is in the state; nothing is written then.
 
     Safe with several writers of one path (each writes its own temporary file; the last rename
     wins, whole). A symlink is followed: its target is replaced, the link stays."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"the state to save must be a mapping of names to values, e.g. {{'model': "
+                              f"model.state_dict(), 'scaler': scaler.state_dict()}}; got {type(state).__name__}")
     reserved = [k for k in RESERVED_KEYS if k in state]
     if reserved:
         raise CheckpointError(f"the state to save uses {', '.join(map(repr, reserved))}, which the checkpoint's "
                               f"own metadata uses ({', '.join(RESERVED_KEYS)}): rename those keys")
-    target = Path(path)
-    if target.is_symlink():
-        target = Path(os.path.realpath(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
+    encoded = checkpoint_values.encode(dict(state), lambda m: CheckpointError(f"cannot save: {m}"))
+    target = check_destination(path)
     for stale in target.parent.glob(f"{_temp_prefix(target)}*.tmp"):  # left by a killed save
         if _abandoned(stale, target):
             stale.unlink(missing_ok=True)
     buffer = io.BytesIO()
-    torch.save({"format": FORMAT, "version": VERSION, "kind": kind, **state}, buffer)
+    torch.save({"format": FORMAT, "version": VERSION, "kind": kind, **encoded}, buffer)
+    _refuse_unsafe(buffer)
     body = buffer.getvalue()
     header = b"%s %d %s\n" % (_MAGIC, VERSION, hashlib.sha256(body).hexdigest().encode())
     fd, tmp = tempfile.mkstemp(prefix=_temp_name_prefix(target), suffix=".tmp", dir=target.parent)
@@ -134,38 +169,67 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], kind: str) -> P
     return target
 
 
+def _refuse_unsafe(buffer: io.BytesIO) -> None:
+    """torch's own judgement (2.6+), read from the pickle without running it: anything weights-only
+    loading would refuse (a tensor subclass it does not know) is refused now, not at resume."""
+    scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if not callable(scan):
+        return
+    buffer.seek(0)
+    try:
+        unsafe = scan(buffer)
+    except Exception:  # noqa: BLE001 - the scan itself failing is not the state's fault
+        unsafe = []
+    buffer.seek(0, io.SEEK_END)
+    if unsafe:
+        raise CheckpointError(f"cannot save: the state holds {', '.join(unsafe)}, which checkpoint.load (weights-only, "
+                              "safe) cannot read back; store plain values, or allowlist them with "
+                              "torch.serialization.add_safe_globals([...]) before saving and loading")
+
+
 def load(path: str | os.PathLike[str], kind: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save` for ``kind``; raise CheckpointError if it is unusable."""
-    source = Path(path)
-    if not str(path):
-        raise CheckpointError("the checkpoint path is empty: give the file to resume from")
+    source = _resolve(path, "to resume from")
+    if source.is_dir():
+        raise CheckpointError(f"{_shown(source)} is a directory, not a checkpoint file: give the file inside it")
     if not source.is_file():
-        raise CheckpointError(f"{source}: no such checkpoint file")
+        raise CheckpointError(f"{_shown(source)}: no such checkpoint file")
     data = source.read_bytes()
     header, newline, body = data.partition(b"\n")
     parts = header.split(b" ")
     if not newline or len(parts) != 3 or parts[0] != _MAGIC:
-        raise CheckpointError(f"{source} is not an amp-backends checkpoint (no checkpoint header)")
-    if parts[1] != str(VERSION).encode():
+        raise CheckpointError(f"{_shown(source)} is not an amp-backends checkpoint (no checkpoint header)")
+    if parts[1] not in _READS:
         raise CheckpointError(
-            f"{source} has checkpoint format version {parts[1].decode(errors='replace')!r}; "
-            f"this amp-backends reads version {VERSION}"
+            f"{_shown(source)} has checkpoint format version {_shown(parts[1].decode(errors='replace'))!r}; "
+            f"this amp-backends reads versions {', '.join(v.decode() for v in _READS)}"
         )
     if hashlib.sha256(body).hexdigest().encode() != parts[2]:
         raise CheckpointError(
-            f"{source} is corrupt: its contents do not match the checksum written with them (the file was "
+            f"{_shown(source)} is corrupt: its contents do not match the checksum written with them (the file was "
             "damaged or truncated after saving); resume from another checkpoint or start afresh"
         )
     try:
         payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable payload gets the same clear message
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise CheckpointError(f"{source} is not a readable checkpoint: {type(exc).__name__}: {first[:160]}") from None
+        raise CheckpointError(f"{_shown(source)} is not a readable checkpoint: {_why_unreadable(exc)}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise CheckpointError(f"{source} is not an amp-backends checkpoint (it holds {type(payload).__name__} data)")
+        raise CheckpointError(f"{_shown(source)} is not an amp-backends checkpoint (it holds {type(payload).__name__} data)")
     if payload.get("kind") != kind:
-        raise CheckpointError(f"{source} is a {payload.get('kind')!r} checkpoint, not {kind!r}")
+        raise CheckpointError(f"{_shown(source)} is a {_shown(payload.get('kind'))!r} checkpoint, not {kind!r}")
     missing = [k for k in required if k not in payload]
     if missing:
-        raise CheckpointError(f"{source} lacks {', '.join(missing)}: it is incomplete")
-    return payload
+        raise CheckpointError(f"{_shown(source)} lacks {', '.join(missing)}: it is incomplete")
+    return checkpoint_values.decode(payload, lambda m: CheckpointError(f"{_shown(source)} {m}"))
+
+
+def _why_unreadable(exc: Exception) -> str:
+    """torch's error in one line, without its terminal escape codes, and without its advice to load
+    with ``weights_only=False`` (which this loader never does): the global it refused, and the safe way."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if refused:
+        return (f"it holds {refused.group(1)}, which weights-only (safe) loading refuses; if you trust the file, "
+                f"allowlist it with torch.serialization.add_safe_globals([{refused.group(1).rsplit('.', 1)[-1]}])")
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(exc).__name__}: {_shown(first[:160])}"

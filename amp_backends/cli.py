@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--policy", choices=("none", "recipe"), default="none",
                        help="apply a precision policy first (recipe: norms and the head in float32)")
     check.add_argument("--loss-scale", type=float, default=None, help="judge fp16 underflow at this scale (default 65536)")
+    check.add_argument("--fp8", nargs="?", const="tensorwise", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+                       help="train the Linear layers that can in fp8 with this recipe (default tensorwise); emulated "
+                            "where the device has no fp8 matmul (needs torchao: pip install 'amp-backends[fp8]')")
     check.add_argument("--json", action="store_true")
     return parser
 
@@ -171,7 +174,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "check":
         from .check_cli import main as check_main
 
-        return check_main(args.target, args.backend, args.dtype, args.size, args.policy, args.loss_scale, args.json)
+        return check_main(args.target, args.backend, args.dtype, args.size, args.policy, args.loss_scale, args.json,
+                          fp8=args.fp8)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

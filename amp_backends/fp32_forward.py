@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
+import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -22,9 +23,14 @@ def _to_fp32(x: Any) -> Any:
     return x
 
 
-@functools.lru_cache(maxsize=None)
+_AUTOCAST: dict[str, bool] = {}
+
+
 def _has_autocast(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type)
+    known = _AUTOCAST.get(device_type)
+    if known is None:
+        known = _AUTOCAST[device_type] = torch.amp.is_autocast_available(device_type)
+    return known
 
 
 def _active(args: tuple[Any, ...], kwargs: dict[str, Any], extra: tuple[str, ...]) -> list[str]:
@@ -99,3 +105,53 @@ class Fp32Forward:
             "a precision policy wraps this module's forward, which torch.jit.script cannot compile: call "
             "policy.remove() before scripting, or use torch.compile or torch.export, which keep the policy"
         )
+
+
+#: Policies that hold torch.compile's backward autocast off (see :func:`hold_eager_backward`).
+_BACKWARD_HOLDERS: set[int] = set()
+_BACKWARD_SAVED: list[Any] = []
+_HOLDS = itertools.count()
+
+
+def hold_eager_backward(model: nn.Module) -> int:
+    """Keep torch.compile's backward as eager's while a policy selects modules.
+
+    AOTAutograd traces a compiled region's backward under the autocast active when its forward ran
+    (``torch._functorch.config.backward_pass_autocast = "same_as_forward"``, torch's default through
+    2.13, deprecated upstream): the backward of a module a policy runs in float32 (autocast off inside
+    it) then runs its matmuls in float16/bfloat16, where eager runs them in float32 (pytorch#179804).
+    While a policy holds modules, the setting is ``"off"``, eager's semantics (backward outside
+    autocast, as the AMP recipe writes it); a value the user chose is left alone. Returns the hold,
+    for :func:`release_eager_backward`; it ends by itself when ``model`` is garbage collected (a
+    policy never removed)."""
+    hold = next(_HOLDS)
+    config = _functorch_config()
+    if config is None:
+        return hold
+    if not _BACKWARD_HOLDERS and config.backward_pass_autocast == "same_as_forward":
+        _BACKWARD_SAVED.append("same_as_forward")
+        config.backward_pass_autocast = "off"
+    if _BACKWARD_SAVED:
+        _BACKWARD_HOLDERS.add(hold)
+        weakref.finalize(model, release_eager_backward, hold)
+    return hold
+
+
+def release_eager_backward(hold: int) -> None:
+    """The hold ends; torch's setting comes back when no policy holds it."""
+    if hold not in _BACKWARD_HOLDERS:
+        return
+    _BACKWARD_HOLDERS.discard(hold)
+    config = _functorch_config()
+    if not _BACKWARD_HOLDERS and _BACKWARD_SAVED and config is not None:
+        previous = _BACKWARD_SAVED.pop()
+        if config.backward_pass_autocast == "off":  # unless the user changed it meanwhile
+            config.backward_pass_autocast = previous
+
+
+def _functorch_config() -> Any:
+    try:
+        from torch._functorch import config
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    return config if hasattr(config, "backward_pass_autocast") else None

@@ -57,6 +57,11 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
             fp32_note = backend.fp32_note() if reason is None else None
         except Exception as exc:  # noqa: BLE001
             fp32_note = f"(fp32_note() failed: {type(exc).__name__}: {exc})"
+        try:
+            fp8_dtypes = [_dtype(d) for d in backend.fp8_dtypes()] if reason is None else []
+            fp8_recipes = list(backend.fp8_recipes()) if fp8_dtypes else []
+        except Exception as exc:  # noqa: BLE001 - a vendor's declaration failing costs only its fp8 column
+            fp8_dtypes, fp8_recipes = [f"error: {type(exc).__name__}: {exc}"], []
         declared = backend.fused_found_inf or {}
         fused = {kind: (v if isinstance(v, str) else v[0]) for kind, v in declared.items()}
         if not backend.fused_steps_honour_found_inf:
@@ -85,6 +90,8 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
                 "dist_backend": backend.dist_backend,
                 "fp32_note": fp32_note,
                 "fused_optimizers": fused,
+                "fp8_dtypes": fp8_dtypes,
+                "fp8_recipes": fp8_recipes,
                 "plugin": record.name,
                 "package": record.package,
                 "version": record.version,
@@ -113,6 +120,7 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
 
     return {
         "torch": torch.__version__,
+        "fp8_engine": _fp8_engine(any(r["fp8_recipes"] for r in rows)),
         "cpu": cpu_summary(),
         "best": best,
         "env_error": env_error,
@@ -121,6 +129,31 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
         "shadowing": shadowing,
         "plugins": [r.as_dict() for r in registry.plugins()],
     }
+
+
+def _fp8_engine(needed: bool) -> dict[str, Any]:
+    """torchao, the fp8 engine: its version, and whether it works with this torch (imported, so asked,
+    only where a backend here has fp8 matmuls: the import takes a second or two)."""
+    from importlib import metadata, util
+
+    try:
+        installed = util.find_spec("torchao") is not None
+    except (ImportError, ValueError):
+        installed = False
+    version = None
+    if installed:
+        try:
+            version = metadata.version("torchao")
+        except metadata.PackageNotFoundError:
+            version = "?"
+    problem = None
+    if not installed:
+        problem = "torchao is not installed: pip install 'amp-backends[fp8]'"
+    elif needed:
+        from .fp8 import unavailable_reason
+
+        problem = unavailable_reason()
+    return {"torchao": version, "problem": problem, "checked": needed or not installed}
 
 
 def render(data: dict[str, Any], verbose: bool = False) -> str:
@@ -140,12 +173,14 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
             ",".join(b["native_dtypes"]) or "none",
             b["kernel"],
             b["dist_backend"] or "none",
+            ",".join(d.replace("float8_", "") for d in b["fp8_dtypes"]) or "none",
             f"{b['package']} {b['version']}" + ("" if b["builtin"] else " (third-party)")
             + (" (generic)" if b["generic"] else ""),
         ]
         for b in data["backends"]
     ]
-    out.append(render_table(["backend", "available", "device", "default", "dtypes", "native", "kernel", "dist", "package"], rows))
+    out.append(render_table(["backend", "available", "device", "default", "dtypes", "native", "kernel", "dist", "fp8",
+                             "package"], rows))
     devices = [b for b in data["backends"] if b["device"]]
     if devices:
         out += ["", "Devices:"] + [f"  {b['name']}: {b['device']}" for b in devices]
@@ -157,6 +192,17 @@ def render(data: dict[str, Any], verbose: bool = False) -> str:
         out += ["", "Fused optimizers and found_inf (declared; other kinds probed on the device at first use):"]
         out += [f"  {b['name']}: " + (", ".join(f"{k} {v}" for k, v in b["fused_optimizers"].items()) or
                                        "none declared: probed") for b in fused]
+    engine = data["fp8_engine"]
+    fp8_rows = [b for b in data["backends"] if b["fp8_recipes"]]
+    out += ["", "fp8 training (precision_policy(fp8=...)): engine "
+            + (f"torchao {engine['torchao']}" if engine["torchao"] else "torchao, not installed")
+            + (f" ({engine['problem']})" if engine["problem"] and engine["torchao"] else "")]
+    out += [f"  {b['name']}: {', '.join(b['fp8_dtypes'])}; recipes {', '.join(b['fp8_recipes'])}" for b in fp8_rows]
+    if not fp8_rows:
+        out.append("  no backend here has fp8 matmuls (NVIDIA compute capability 8.9+, AMD MI300/MI350 have); "
+                   "emulate=True runs fp8's numerics for tests")
+    if engine["problem"] and not engine["torchao"]:
+        out.append(f"  {engine['problem']}")
     slow = [(b["name"], d, why) for b in data["backends"] if b["available"] for d, why in b["emulated_dtypes"].items()]
     if slow:
         out += ["", "Emulated (slower than float32 here):"] + [f"  {n} {d}: {why}" for n, d, why in slow]

@@ -145,15 +145,13 @@ class OpRecorder(TorchDispatchMode):
     def _watch(self, func: Any, args: Any, kwargs: Any, out: Any, module: str, backward: bool) -> None:
         """Count the inf/NaN an op's outputs hold, where its floating inputs held none (an op that
         produced them: not a mask made with ``full(-inf)``, not one passing a masked tensor on)."""
-        outs = [_dense_values(t) for t in tree_leaves(out)
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
-        ins = [_dense_values(t) for t in tree_leaves((args, kwargs))
-               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+        outs = [t for t in tree_leaves(out) if _plain_float(t)]
+        ins = [t for t in tree_leaves((args, kwargs)) if _plain_float(t)]
         if not outs or not ins:
             return
         with torch._C._DisableTorchDispatch():  # the count's own ops are not the model's
-            produced = sum(torch.count_nonzero(~torch.isfinite(t.detach())) for t in outs)
-            inherited = sum(torch.count_nonzero(~torch.isfinite(t.detach())) for t in ins)
+            produced = sum(torch.count_nonzero(~torch.isfinite(_dense_values(t).detach())) for t in outs)
+            inherited = sum(torch.count_nonzero(~torch.isfinite(_dense_values(t).detach())) for t in ins)
             count = torch.where(inherited == 0, produced, torch.zeros_like(produced))
         first = outs[0]
         self._counts.append((count, module, func.overloadpacket.__name__, backward,
@@ -174,8 +172,18 @@ class OpRecorder(TorchDispatchMode):
         return NonFinite(module, op, bw, dtype, shape, int(counts[i]))
 
 
+def _plain_float(t: Any) -> bool:
+    """A floating tensor holding its own values: not a wrapper subclass (torchao's fp8 tensors, DTensor),
+    whose values its own dispatch gives (the ops it runs on its inner tensors are seen instead)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
+            and not is_traceable_wrapper_subclass(t))
+
+
 def _dense_values(t: torch.Tensor) -> torch.Tensor:
-    return t._values() if t.is_sparse else t
+    t = t._values() if t.is_sparse else t
+    return t.float() if t.element_size() == 1 else t  # float8: isfinite has no kernel for it
 
 
 def _shape(func: Any, args: tuple[Any, ...]) -> tuple[str, tuple[int, ...]]:

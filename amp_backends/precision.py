@@ -12,6 +12,9 @@ are untouched (the module's ``forward`` is wrapped on the instance, not the modu
 the recipes ask for is the preset :data:`RECIPE`: normalisation layers and the final classifier / LM
 head in float32. Policies compose: several may select the same module, and any order of
 :meth:`PrecisionPolicy.remove` leaves exactly the remaining ones' selection.
+
+``fp8=`` selects Linear layers to train in fp8 (torchao's float8 training, :mod:`amp_backends.fp8`);
+per module, float32 beats fp8, which beats the autocast dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fp32_forward import Fp32Forward
+from .fp32_forward import Fp32Forward, hold_eager_backward, release_eager_backward
+from .fp8_policy import Fp8Conversion, convert
 from .selectors import NORM_TYPES, RECIPE, Selector, check_selectors, recipe_head, select
 
 __all__ = ["NORM_TYPES", "OP_MODULES", "RECIPE", "PrecisionPolicy", "Selector", "fp32_modules", "precision_policy"]
@@ -56,7 +60,24 @@ class PrecisionPolicy:
     skipped: dict[str, str] = field(default_factory=dict)
     #: how the recipe found the head ("" without the recipe)
     head_found_by: str = ""
+    _fp8: Fp8Conversion | None = field(default=None, repr=False)
+    _hold: int | None = field(default=None, repr=False)
     _removed: bool = field(default=False, repr=False)
+
+    @property
+    def fp8(self) -> dict[str, str]:
+        """Qualified name -> why it trains in fp8, for the Linear layers converted and still in place."""
+        return self._fp8.converted if self._fp8 is not None else {}
+
+    @property
+    def fp8_skipped(self) -> dict[str, str]:
+        """Layers ``fp8=`` picked that stay in float32 or the autocast dtype, with why."""
+        return dict(self._fp8.skipped) if self._fp8 is not None else {}
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """The fp8 recipe ("tensorwise", "rowwise", "rowwise_with_gw_hp"), None without ``fp8=``."""
+        return self._fp8.recipe if self._fp8 is not None else None
 
     @property
     def selected(self) -> dict[str, str]:
@@ -79,7 +100,10 @@ class PrecisionPolicy:
     def remove(self) -> None:
         """Undo this policy: each module it selected runs as it would without it. A module another
         policy still selects stays in float32; one that nothing selects any more gets its ``forward``
-        back exactly as it was (or, where something wrapped it since, a wrapper that passes through)."""
+        back exactly as it was (or, where something wrapped it since, a wrapper that passes through).
+        Each fp8 layer is replaced by its original Linear, holding the trained parameters."""
+        if self._fp8 is not None:
+            self._fp8.restore()
         for module, wrapper in self._held.values():
             wrapper.holders.pop(id(self), None)
             if not wrapper.holders and module.__dict__.get("forward") is wrapper:
@@ -88,11 +112,14 @@ class PrecisionPolicy:
                 else:
                     module.forward = wrapper.previous
         self._held.clear()
+        if self._hold is not None:
+            release_eager_backward(self._hold)
+            self._hold = None
         self._removed = True
 
     @property
     def active(self) -> bool:
-        return bool(self._held)
+        return bool(self._held) or bool(self.fp8)
 
     def __enter__(self) -> PrecisionPolicy:
         return self
@@ -102,17 +129,29 @@ class PrecisionPolicy:
 
     def __repr__(self) -> str:
         names = ", ".join(self.selected) or "none"
-        return f"<PrecisionPolicy fp32: {names}{' (removed)' if self._removed else ''}>"
+        low = f"; fp8 ({self.fp8_recipe}): {', '.join(self.fp8) or 'none'}" if self._fp8 is not None else ""
+        return f"<PrecisionPolicy fp32: {names}{low}{' (removed)' if self._removed else ''}>"
+
+
+def _autocast_here(device_type: Any) -> bool:
+    try:
+        return isinstance(device_type, str) and torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # not a device string torch can parse
+        return False
 
 
 def _device_types(device_types: Any) -> tuple[str, ...]:
     if isinstance(device_types, str):
         device_types = (device_types,)
-    types = tuple(device_types)
+    try:
+        types = tuple(device_types)
+    except TypeError:
+        raise TypeError(f"precision_policy(device_types=...) takes a device type or a list of them, "
+                        f"got {type(device_types).__name__}") from None
     for t in types:
-        if not isinstance(t, str) or not torch.amp.is_autocast_available(t):
+        if not _autocast_here(t):
             known = [d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mlu", "npu", "musa")
-                     if torch.amp.is_autocast_available(d)]
+                     if _autocast_here(d)]
             raise ValueError(f"precision_policy(device_types=...): {t!r} is not a device type with autocast here; "
                              f"use device types such as {', '.join(map(repr, known))}")
     return types
@@ -140,11 +179,16 @@ def precision_policy(
     model: nn.Module,
     fp32: Selector | Sequence[Selector] = (RECIPE,),
     *,
+    fp8: Selector | Sequence[Selector] | None = None,
+    fp8_recipe: str = "tensorwise",
+    emulate: bool = False,
+    fp8_all_gather: bool = False,
     backend: Any = None,
     device_types: str | Sequence[str] = (),
     example_inputs: Any = None,
 ) -> PrecisionPolicy:
-    """Run the modules ``fp32`` selects in float32 inside autocast; returns a handle to remove it.
+    """Run the modules ``fp32`` selects in float32 inside autocast, and train the Linear layers ``fp8``
+    selects in fp8; returns a handle to remove both.
 
     ``fp32``: module classes, qualified-name patterns (fnmatch; wrapper prefixes such as DDP's
     ``module.`` and torch.compile's ``_orig_mod.`` are ignored), module instances, predicates
@@ -152,20 +196,38 @@ def precision_policy(
     found by running the model on ``example_inputs`` where given, else the last ``nn.Linear``
     registered). ``backend`` (a name or Backend): its declared ``fp32_ops`` select the modules running
     them too. Autocast is switched off for the device types of a module's inputs that have it enabled,
-    and for ``device_types`` (for modules without tensor inputs). Anything that cannot work is refused
-    before anything changes: a selector matching nothing, a predicate that raises."""
+    and for ``device_types`` (for modules without tensor inputs).
+
+    ``fp8``: the same kinds of selectors, for Linear layers (:data:`RECIPE`: every Linear but the
+    first and last the model runs, the head, and those below torchao's break-even), trained with
+    ``fp8_recipe`` (:data:`amp_backends.fp8.RECIPES`) on the backend's device, which must have fp8
+    matmuls (``emulate=True``: fp8's numerics with high-precision matmuls, for tests). A layer that
+    cannot run in fp8, or that ``fp32`` selects, is left with the reason (``fp8_skipped``).
+    ``fp8_all_gather=True`` (tensorwise only; convert before ``fully_shard``, build the optimizer
+    after): FSDP2 all-gathers those layers' weights in fp8, half the bytes of bf16.
+
+    Anything that cannot work is refused before anything changes: a selector matching nothing, a
+    predicate that raises, fp8 on a device without it or without torchao."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"precision_policy takes a torch.nn.Module, got {type(model).__name__}")
     selectors = check_selectors(fp32)
     types = _device_types(device_types)
+    fp8_selectors = _fp8_args(fp8, fp8_recipe, emulate, backend, fp8_all_gather)
     extra = _backend_ops(backend) if backend is not None else []
     head, how = (None, "")
-    if RECIPE in selectors:
+    if RECIPE in selectors or RECIPE in (fp8_selectors or ()):
         head, how = recipe_head(model, example_inputs)
         if head is None and example_inputs is not None:
             warnings.warn(f"precision_policy: the recipe's head is not selected: {how}", RuntimeWarning, stacklevel=2)
-    chosen, skipped = select(model, selectors, head=head, extra=extra)
+    chosen, skipped = select(model, selectors, head=head if RECIPE in selectors else None, extra=extra)
+    _refuse_fp8_layers(chosen)
     policy = PrecisionPolicy(model, skipped=skipped, head_found_by=how)
+    if fp8_selectors is not None:
+        from .registry import resolve_backend
+
+        policy._fp8 = convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
+                              backend=resolve_backend(backend), float32={id(m) for m, _ in chosen.values()},
+                              head=head, example_inputs=example_inputs, all_gather=bool(fp8_all_gather))
     for name, (module, reason) in chosen.items():
         wrapper = module.__dict__.get("forward")
         if not isinstance(wrapper, Fp32Forward):  # else another policy's: held by this one too
@@ -173,7 +235,41 @@ def precision_policy(
         wrapper.holders[id(policy)] = types
         policy._held[name] = (module, wrapper)
         policy._reasons[name] = reason
+    if chosen:
+        policy._hold = hold_eager_backward(model)
     return policy
+
+
+def _fp8_args(fp8: Any, recipe: Any, emulate: Any, backend: Any, all_gather: Any) -> list[Selector] | None:
+    """``fp8``'s selectors, checked with the recipe, the device and the engine (torchao); None without fp8."""
+    from . import fp8 as engine
+    from .validation import flag
+
+    emulate = flag("emulate", emulate)
+    all_gather = flag("fp8_all_gather", all_gather)
+    if fp8 is None:
+        if emulate or all_gather or recipe != "tensorwise":
+            raise ValueError("precision_policy: fp8_recipe, emulate and fp8_all_gather apply to the layers fp8= "
+                             "selects; pass fp8=[...] (e.g. fp8=[torch.nn.Linear] or fp8=amp_backends.RECIPE)")
+        return None
+    selectors = check_selectors(fp8, "fp8")
+    engine.check_recipe(recipe)
+    engine.check_all_gather(recipe, all_gather)
+    from .registry import resolve_backend
+
+    engine.check_device(resolve_backend(backend), recipe, emulate)
+    engine.engine()
+    return selectors
+
+
+def _refuse_fp8_layers(chosen: dict[str, tuple[nn.Module, str]]) -> None:
+    from .fp8 import is_fp8
+
+    layers = [name for name, (module, _) in chosen.items() if is_fp8(module)]
+    if layers:
+        raise ValueError(f"precision_policy(fp32=...): {', '.join(map(repr, layers))} trains in fp8 by another "
+                         "policy; float32 beats fp8, so remove() that policy first, or leave the layer out (nothing "
+                         "changed)")
 
 
 def fp32_modules(model: nn.Module) -> list[str]:

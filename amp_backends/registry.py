@@ -2,10 +2,11 @@
 
 Environment:
 - ``AMP_BACKEND``: the backend ``get()`` returns when asked for none (or ``"auto"``).
-- ``AMP_BACKENDS_DISABLE_PLUGINS``: comma-separated entry-point or package names never
-  imported; ``1`` (or ``all``) disables every third-party plugin.
-- ``AMP_BACKENDS_PLUGINS``: allow-list; when set, only the third-party plugins it names
-  are imported (built-in plugins always load unless disabled by name).
+- ``AMP_BACKENDS_DISABLE_PLUGINS``: comma-separated entry-point or distribution names never
+  imported (case, ``-`` and ``_`` alike); ``1`` (or ``all``) disables every third-party plugin.
+- ``AMP_BACKENDS_PLUGINS``: allow-list; when set to names, only the third-party plugins it names
+  are imported (built-in plugins always load unless disabled by name); set but empty, it is ignored.
+A name neither variable can match to an installed plugin is warned about.
 - ``AMP_BACKENDS_KERNEL``: ``torch``, ``triton`` or another kernel name forces that kernel.
 """
 
@@ -60,10 +61,12 @@ _TRUE = {"1", "all", "true", "yes", "*"}
 
 
 def _env_list(var: str) -> set[str] | None:
+    """The names in a comma-separated variable, compared as entry-point names and distribution names
+    are (case and ``-``/``_`` alike); None where it is unset or holds no name (``VAR=``)."""
     value = os.environ.get(var)
-    if value is None:
+    if value is None or not value.strip(" ,"):
         return None
-    return {part.strip().lower() for part in value.split(",") if part.strip()}
+    return {_normalise(part.strip()) for part in value.split(",") if part.strip()}
 
 
 def _normalise(package: str) -> str:
@@ -190,6 +193,28 @@ class Registry:
             if self._add_plugin(plugin, PluginRecord(name, package, version, builtin=False)):
                 order.append(name)
         self._collect(order)
+        self._warn_environment()
+
+    def _warn_environment(self) -> None:
+        """A plugin variable naming nothing installed (a typo, an import name), or set but empty, is
+        said once per load: it changed nothing the user meant it to."""
+        known = {_normalise(k) for r in self._records.values() for k in (r.name, r.package)}
+        shown = ", ".join(sorted({r.name for r in self._records.values()}))
+        for var in ("AMP_BACKENDS_DISABLE_PLUGINS", "AMP_BACKENDS_PLUGINS"):
+            value = os.environ.get(var)
+            if value is None:
+                continue
+            if not value.strip(" ,"):  # an empty allow-list is not "allow none": that is DISABLE_PLUGINS=1
+                if var == "AMP_BACKENDS_PLUGINS":
+                    warnings.warn(f"{var} is set but empty and is ignored; to load no third-party plugin set "
+                                  "AMP_BACKENDS_DISABLE_PLUGINS=1", RuntimeWarning, stacklevel=2)
+                continue
+            names = _env_list(var) or set()
+            unknown = sorted(names - known - (_TRUE if var == "AMP_BACKENDS_DISABLE_PLUGINS" else set()))
+            if unknown:
+                warnings.warn(f"{var} names {', '.join(map(repr, unknown))}, which no installed plugin is called "
+                              f"(by entry-point or distribution name); plugins here: {shown}",
+                              RuntimeWarning, stacklevel=2)
 
     def _entry_points(self) -> list[metadata.EntryPoint]:
         eps = list(metadata.entry_points(group=self.group))
@@ -206,7 +231,7 @@ class Registry:
         package = (dist.metadata["Name"] if dist is not None else None) or "?"
         version = (dist.version if dist is not None else None) or "?"
         record = PluginRecord(ep.name, package, version, self._is_builtin(ep), module=ep.value)
-        keys = {ep.name.lower(), _normalise(package)}
+        keys = {_normalise(ep.name), _normalise(package)}
         disabled = _env_list("AMP_BACKENDS_DISABLE_PLUGINS") or set()
         allowed = _env_list("AMP_BACKENDS_PLUGINS")
         if keys & disabled:
@@ -387,6 +412,7 @@ class Registry:
             best = usable[0].lower()
             self._warn_shadowing(best)
             chosen_backend = self._backends[best][0]
+            self._warn_stand_in(chosen_backend)
             if chosen_backend.device_type == "cpu":
                 self._warn_unused_accelerator()
             return chosen_backend
@@ -403,7 +429,23 @@ class Registry:
         if reason is not None:
             raise BackendUnavailableError(f"backend {backend.name!r} is not available: {reason}")
         self._warn_shadowing(key)
+        self._warn_stand_in(backend)
         return backend
+
+    def _warn_stand_in(self, backend: Backend) -> None:
+        """The generic backend serving a device while a third-party plugin is switched off or broken:
+        that plugin may be the device's own (its entry-point name need not be the device type), so
+        say once that torch's generic path stands in, rather than replace it silently."""
+        key = f"stand-in:{backend.device_type}"
+        if key in self._warned or not any(b is backend for b, _ in self._fallbacks):
+            return
+        off = sorted(f"{r.name} ({r.status})" for r in self._records.values() if not r.builtin and r.status != "loaded")
+        if not off:
+            return
+        self._warned.add(key)
+        warnings.warn(f"{backend.device_type!r} runs on the generic backend (torch's own APIs) while the plugin(s) "
+                      f"{', '.join(off)} are not loaded; if one of them is the {backend.device_type!r} device's "
+                      "plugin, it is not in use (see `amp-backends info`)", RuntimeWarning, stacklevel=4)
 
     def _warn_unused_accelerator(self) -> None:
         """Never cpu silently: when torch reports a usable accelerator that no backend can serve,
@@ -671,7 +713,12 @@ def probe(backend: Backend) -> str | None:
 
 def reprobe() -> None:
     """Forget every availability answer, so the next ``get()``/``available()`` asks the
-    backends again (a device plugged in, a driver restarted, visibility variables changed)."""
+    backends again (a device plugged in, a driver restarted, visibility variables changed), and each
+    backend forgets what it cached of the device (``Backend.forget_probes``)."""
+    known = [b for b, _, _ in _DEFAULT._backends.values()] + [b for b, _ in _DEFAULT._fallbacks]
+    for backend in {id(b): b for b in [*_PROBED.keys(), *known]}.values():
+        with contextlib.suppress(Exception):  # a plugin's broken override costs only its own cache
+            backend.forget_probes()
     _PROBED.clear()
     _HUNG.clear()
 

@@ -55,6 +55,10 @@ class ModuleRow:
     #: relative error against the float32 run: ||low - fp32|| / ||fp32|| of its outputs and gradients
     output_error: float | None = None
     grad_error: float | None = None
+    #: for Linear layers: "fp8 (tensorwise)" where a policy trains it in fp8, else "eligible" or why it
+    #: cannot run in fp8; None for other modules
+    fp8: str | None = None
+    fp8_flops: int = 0
 
     @property
     def precision(self) -> str:
@@ -88,6 +92,8 @@ class ModelReport:
     backwards_run: int = 0
     #: no loss scale can save this model in float16 (its forward, or its backward at scale 1, overflows)
     beyond_scaling: bool = False
+    #: forward matmul FLOPs of the layers trained in fp8 (not counted in ``low_flops``)
+    fp8_flops: int = 0
     first_nonfinite_forward: NonFinite | None = None
     first_nonfinite_backward: NonFinite | None = None
     #: the module that ran the forward's last matmul-like op (the head, where one exists)
@@ -108,6 +114,10 @@ class ModelReport:
             parts = ["no matmul or convolution ran: nothing for autocast to lower"]
         else:
             parts = [f"{100.0 * self.low_flops / self.total_flops:.0f}% of matmul FLOPs in {self.dtype}"]
+            if self.fp8_flops:
+                emulated = " (emulated)" if any(r.fp8 and "emulated" in r.fp8 for r in self.rows) else ""
+                parts = [f"{100.0 * self.fp8_flops / self.total_flops:.0f}% of matmul FLOPs in fp8{emulated}, "
+                         f"{100.0 * self.low_flops / self.total_flops:.0f}% in {self.dtype}"]
         fp32 = self.fp32_layers
         if fp32:
             parts.append(f"{len(fp32)} layer{'s' if len(fp32) != 1 else ''} in float32 "
@@ -165,10 +175,11 @@ class ModelReport:
                  f"{(r.flops + r.backward_flops) / 1e6:.2f}", r.fp32_reason or "",
                  "; ".join(r.misaligned[:2]) + (" ..." if len(r.misaligned) > 2 else ""),
                  _count(r.grads_underflow), _count(r.params_over + r.outputs_over + r.grads_over + r.grads_nonfinite),
-                 _err(r.output_error), _err(r.grad_error), "" if r.grad_norm is None else f"{r.grad_norm:.3g}"]
+                 _err(r.output_error), _err(r.grad_error), "" if r.grad_norm is None else f"{r.grad_norm:.3g}",
+                 r.fp8 or ""]
                 for r in shown]
         head = ["module", "type", "forward", "backward", "MFLOPs", "float32 because", "off fast path",
-                "grad lost", "over 65504 / inf", "out err", "grad err", "grad norm"]
+                "grad lost", "over 65504 / inf", "out err", "grad err", "grad norm", "fp8"]
         return render_table(head, rows)
 
 

@@ -37,6 +37,7 @@ from .validation import (
     clip_args,
     f32,
     flag,
+    scalar_arg,
     validate_state_dict,
 )
 
@@ -99,6 +100,7 @@ class GradScaler(torch.amp.GradScaler):
         enabled = flag("enabled", enabled)
         self._check_finite = flag("check_finite", check_finite)
         self._dynamic = flag("dynamic", dynamic)
+        init_scale, growth_factor, backoff_factor = map(scalar_arg, (init_scale, growth_factor, backoff_factor))
         check_factors(init_scale, growth_factor, backoff_factor, growth_interval, ValueError)
         check_process_group(process_group)
         self.backend: Backend = resolve_backend(backend, device)
@@ -360,6 +362,10 @@ class GradScaler(torch.amp.GradScaler):
         """Whether this iteration's unscaled gradients of ``optimizer`` hold an inf/NaN (its step
         will be skipped); None before they are unscaled, or with scaling off and ``check_finite``
         unset. With scaling off and ``check_finite`` set, the gradients are checked now. A host read."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"found_inf takes the optimizer whose gradients were unscaled, got "
+                            f"{type(optimizer).__name__}: call scaler.found_inf(optimizer) after unscale_(optimizer) "
+                            "or clip_grad_norm_(optimizer, ...)")
         if not self._enabled:
             if not self._check_finite:
                 return None
@@ -405,7 +411,7 @@ class GradScaler(torch.amp.GradScaler):
                                "scaler.step(optimizer), before update()")
         groups = clipping.group_norms(self, optimizer, norm_type) if flag("per_group", per_group) else None
         total = clipping.clip(self, optimizer, max_norm, norm_type)
-        self._telemetry.grad_norm = total.detach()
+        self._telemetry.grad_norm = total.detach().clone()  # the caller's tensor is theirs to change
         self._telemetry.group_grad_norms = groups
         return total
 

@@ -145,6 +145,11 @@ def select(model: nn.Module, selectors: Sequence[Selector], *, head: str | None,
             if reason is not None and key not in chosen and _unselectable(name, module, parents) is None:
                 chosen[key] = (module, reason)
     unmatched = [s for i, s in enumerate(selectors) if i not in matched and s != RECIPE]
+    foreign = [s for s in unmatched if isinstance(s, nn.Module)]
+    if foreign:
+        raise ValueError(f"precision_policy({argument}=...): {_label(foreign[0])} is not a submodule of this model "
+                         "(a copy, or another model's?): pass the model's own module, e.g. model.head, or its name "
+                         "(nothing changed)")
     if unmatched:
         shown = ", ".join(map(_label, unmatched))
         names = [n for n in (strip(n) for n, _ in model.named_modules()) if n][:12]

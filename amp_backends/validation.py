@@ -54,6 +54,15 @@ def _real(x: Any) -> float:
     return as_float(x) if isinstance(x, numbers.Real) and not isinstance(x, bool) else math.nan
 
 
+def scalar_arg(value: Any) -> Any:
+    """A one-element real tensor as the Python number it holds (torch's scaler takes ``init_scale``
+    as a tensor); anything else as it is, for the checks that follow to judge."""
+    if (isinstance(value, torch.Tensor) and value.numel() == 1
+            and (value.is_floating_point() or (not value.is_complex() and value.dtype != torch.bool))):
+        return value.item()
+    return value
+
+
 def clip_args(max_norm: Any, norm_type: Any) -> tuple[float, float]:
     """``max_norm`` a number >= 0 (inf: measure, do not clip), ``norm_type`` a number > 0 or inf."""
     norm, kind = _real(max_norm), _real(norm_type)

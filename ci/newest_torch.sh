@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The newest torch release, as the README's install gives it (`pip install "torch>=2.4"`: a CUDA
 # build with the Triton it pulls in; it runs on the CPU), in a virtual environment of its own.
-# Every later install is held to that torch by a constraint. The whole suite runs.
+# Every later install is held to that torch by a constraint. The whole suite runs, as a machine with
+# an accelerator sees it (ci/accelerator_first/: a plugin whose backend ranks above every built-in, as
+# cuda does on a GPU machine), so no test can assume `amp_backends.get()` is cpu: one leg proves both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,4 +14,6 @@ python -m pip install --quiet "torch>=2.4"
 python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > .venv-newest/constraints.txt
 python -m pip install --quiet -c .venv-newest/constraints.txt -e ".[dev]"
 python -c "import torch, triton; print('newest torch:', torch.__version__, 'triton:', triton.__version__)"
+export PYTHONPATH="$PWD/ci/accelerator_first${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import amp_backends; best = amp_backends.get().name; print('best backend in this leg:', best); assert best == 'sim-accelerator', best"
 python -m pytest -n auto -p no:cacheprovider

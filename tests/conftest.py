@@ -63,6 +63,9 @@ def run_python(code: str, paths: list[Path] = (), env: dict[str, str] | None = N
     if any("sim_packages" in str(p) and str(p).endswith("mlu") for p in paths):
         full_env.pop("CUDA_VISIBLE_DEVICES", None)  # torch_mlu falls back to it: a test sets it when it means to
     full_env["PYTHONPATH"] = os.pathsep.join([str(p) for p in paths] + [full_env.get("PYTHONPATH", "")])
+    # a probe or kernel self-check on a loaded CI machine may take longer than the default 10 s; a test
+    # of the time limit sets its own
+    full_env["AMP_BACKENDS_PROBE_TIMEOUT"] = "120"
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],

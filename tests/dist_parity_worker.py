@@ -32,6 +32,7 @@ parser.add_argument("--wrap", choices=["fsdp2", "ddp-buckets", "ddp"], required=
 parser.add_argument("--fused", action="store_true")
 parser.add_argument("--arena", action="store_true")
 parser.add_argument("--policy", action="store_true")
+parser.add_argument("--param-dtype", choices=["bfloat16", "float16"], help="FSDP2's MixedPrecisionPolicy(param_dtype=)")
 parser.add_argument("--inject-rank", type=int, default=1)
 parser.add_argument("--inject-step", type=int, default=3)
 parser.add_argument("--steps", type=int, default=7)
@@ -58,9 +59,16 @@ def build(seed_offset: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
         except ImportError:  # torch < 2.6
             from torch.distributed._composable.fsdp import fully_shard
 
+        kwargs = {}
+        if args.param_dtype:  # the forward runs on low-precision copies of the weights
+            try:
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+            except ImportError:  # torch < 2.6
+                from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=getattr(torch, args.param_dtype))
         for layer in (model[0], model[2], model[4]):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
         return model, model
     from torch.nn.parallel import DistributedDataParallel as DDP
 

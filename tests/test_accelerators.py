@@ -322,6 +322,51 @@ def test_first_generation_gaudi_has_no_float16(monkeypatch, fresh_registry):
         be.autocast(torch.float16)
 
 
+def _failing(*args, **kwargs):
+    raise RuntimeError("device query failed")
+
+
+@pytest.mark.parametrize("failure", ["fp16-query-raises", "name-raises", "name-none"])
+def test_hpu_survives_failing_queries_with_bf16_intact(monkeypatch, fresh_registry, failure):
+    """A stack whose fp16 query or device-name query fails: hpu stays available in bf16 (which every
+    Gaudi has); fp16 is judged by the generation, or refused where that is unknown; the name says so."""
+    _patch_hpu(monkeypatch, generation="GAUDI2")
+    if failure == "fp16-query-raises":
+        utils = types.ModuleType("habana_frameworks.torch.utils")
+        experimental = types.ModuleType("habana_frameworks.torch.utils.experimental")
+        experimental._is_fp16_supported = _failing
+        utils.experimental, utils.__path__ = experimental, []
+        monkeypatch.setitem(sys.modules, "habana_frameworks.torch.utils", utils)
+        monkeypatch.setitem(sys.modules, "habana_frameworks.torch.utils.experimental", experimental)
+        sys.modules["habana_frameworks.torch"].__path__ = []
+    else:
+        monkeypatch.setattr(torch.hpu, "get_device_name", _failing if failure == "name-raises" else lambda d=None: None)
+    be = hpu_plugin.HPUBackend()
+    assert be.unavailable_reason() is None and be.default_dtype == torch.bfloat16
+    known = failure == "fp16-query-raises"
+    assert be.supported_dtypes() == ((torch.bfloat16, torch.float16) if known else (torch.bfloat16,))
+    assert be.describe() == ("Intel Gaudi 2 (8 device(s))" if known else "Intel Gaudi (generation unknown) (8 device(s))")
+    assert "None" not in be.describe()
+
+
+@pytest.mark.filterwarnings("ignore:kernel 'triton'")
+@pytest.mark.parametrize("failure", ["properties", "name"])
+def test_xpu_survives_failing_device_queries(monkeypatch, fresh_registry, failure):
+    _patch_xpu(monkeypatch)
+    if failure == "properties":
+        monkeypatch.setattr(torch.xpu, "get_device_properties", _failing)
+    else:
+        monkeypatch.setattr(torch.xpu, "get_device_name", _failing)
+    be = xpu_plugin.XPUBackend()
+    assert be.unavailable_reason() is None
+    if failure == "properties":
+        assert be.has_fp64 is False, "unknown: the scaler's float32 path, which every device has"
+        assert be.describe() == "Intel(R) Data Center GPU Max 1550 (torch.xpu, 2 device(s), no float64)"
+    else:
+        assert be.has_fp64 is True
+        assert be.describe() == "Intel GPU (name unavailable: RuntimeError) (torch.xpu, 2 device(s))"
+
+
 # -- ROCm inside the cuda backend ------------------------------------------------------------------
 def _patch_rocm(monkeypatch, arch: str = "gfx942:sramecc+:xnack-", name: str = "AMD Instinct MI300X") -> None:
     monkeypatch.setattr(torch.version, "hip", "6.2.41133-dd7f95766", raising=False)
@@ -351,6 +396,55 @@ def test_rocm_bf16_is_native_by_amd_architecture(monkeypatch):
     _patch_rocm(monkeypatch, arch="gfx906:sramecc+:xnack-", name="AMD Radeon Instinct MI50")
     assert be.native_dtypes() == (torch.float16,), "MI50: bf16 works, emulated"
     assert "gfx906" in be.emulation_reason(torch.bfloat16) and "gfx908" in be.emulation_reason(torch.bfloat16)
+
+
+def _patch_nvidia(monkeypatch, capability: tuple[int, int], name: str) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "12.8", raising=False)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: capability >= (8, 0))
+
+
+@pytest.mark.parametrize(("capability", "name", "fp8"), [
+    ((8, 0), "NVIDIA A100", ()), ((8, 6), "NVIDIA RTX A6000", ()),
+    ((8, 9), "NVIDIA L4", ("float8_e4m3fn", "float8_e5m2")), ((9, 0), "NVIDIA H100", ("float8_e4m3fn", "float8_e5m2")),
+    ((10, 0), "NVIDIA B200", ("float8_e4m3fn", "float8_e5m2")),
+])
+def test_cuda_declares_fp8_from_compute_capability_8_9(monkeypatch, capability, name, fp8):
+    _patch_nvidia(monkeypatch, capability, name)
+    be = cuda_plugin.CUDABackend()
+    assert tuple(str(d).replace("torch.", "") for d in be.fp8_dtypes()) == fp8
+    assert be.fp8_recipes() == (("tensorwise", "rowwise", "rowwise_with_gw_hp") if fp8 else ())
+    if not fp8:
+        with pytest.raises(amp_backends.fp8.Fp8UnavailableError, match=rf"backend 'cuda' \({name} .*has no fp8 matmul"):
+            amp_backends.fp8.check_device(be, "tensorwise", emulate=False)
+
+
+@pytest.mark.parametrize(("arch", "fp8"), [
+    ("gfx942:sramecc+:xnack-", ("float8_e4m3fnuz", "float8_e5m2fnuz")), ("gfx950", ("float8_e4m3fn", "float8_e5m2")),
+    ("gfx90a", ()), ("gfx1100", ()),
+])
+def test_rocm_declares_fp8_by_architecture(monkeypatch, arch, fp8):
+    _patch_rocm(monkeypatch, arch=arch)
+    be = cuda_plugin.CUDABackend()
+    assert tuple(str(d).replace("torch.", "") for d in be.fp8_dtypes()) == fp8
+
+
+@pytest.mark.filterwarnings("ignore:kernel 'triton'")  # its self-check cannot run on a patched device
+def test_info_shows_fp8_per_backend(monkeypatch, fresh_registry):
+    _patch_nvidia(monkeypatch, (9, 0), "NVIDIA H100")
+    monkeypatch.setattr(amp_backends.info, "_fp8_engine", lambda needed: {"torchao": "0.18.0", "problem": None,
+                                                                          "checked": needed})
+    data = amp_backends.info.collect()
+    rows = {b["name"]: b for b in data["backends"]}
+    assert rows["cuda"]["reason"] is None, rows["cuda"]["reason"]
+    assert rows["cuda"]["fp8_dtypes"] == ["float8_e4m3fn", "float8_e5m2"] and rows["cpu"]["fp8_dtypes"] == []
+    assert data["fp8_engine"]["checked"] is True, "a backend with fp8 here: torchao is imported to check it"
+    text = amp_backends.info.render(data)
+    assert "cuda: float8_e4m3fn, float8_e5m2; recipes tensorwise, rowwise, rowwise_with_gw_hp" in text
 
 
 @pytest.mark.parametrize(("arch", "native"), [

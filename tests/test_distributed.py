@@ -125,6 +125,15 @@ def test_fsdp2_with_a_precision_policy(tmp_path):
 
 
 @needs_cpu_fsdp2
+def test_fsdp2_with_bf16_parameters_and_a_precision_policy(tmp_path):
+    """The documented combination: MixedPrecisionPolicy(param_dtype=bfloat16) and the recipe. The head's
+    forward gets bf16 weights from FSDP2 and runs them in float32; training matches torch's scaler."""
+    ranks = run_parity(tmp_path, "--wrap", "fsdp2", "--policy", "--param-dtype", "bfloat16")
+    assert all(r["out_dtype"] == "torch.float32" for r in ranks)
+    _check_parity(ranks, "DTensor", bitwise=True)
+
+
+@needs_cpu_fsdp2
 def test_fsdp2_fused_optimizer_clip_folded_into_grad_scale(tmp_path):
     _check_parity(run_parity(tmp_path, "--wrap", "fsdp2", "--fused"), "DTensor", bitwise=False)
 

@@ -20,7 +20,7 @@ from amp_backends.backend import Backend
 from amp_backends.registry import Registry
 from amp_backends.testing import sim_packages_path
 
-from conftest import cpu_only_env, run_json, run_python
+from conftest import ACME_SOURCE, cpu_only_env, run_json, run_python
 from test_mlu import needs_sim_device
 
 GENERIC = [sim_packages_path("generic")]
@@ -257,3 +257,53 @@ def test_a_fallback_does_not_take_over_a_device_whose_plugin_was_switched_off(mo
     monkeypatch.setenv("AMP_BACKENDS_DISABLE_PLUGINS", "")
     served = [b for b, _ in Registry().backends() if b.device_type == "cuda"]
     assert [type(b).__name__ for b in served] == ["CUDABackend"], "the cuda plugin, never a generic twin"
+
+
+@needs_sim_device
+@needs_accelerator_api
+def test_reprobe_asks_the_generic_backend_again():
+    """A device that becomes visible (torch.accelerator.device_count() 0, then 1): unavailable until
+    amp_backends.reprobe(), available after it, with no reload."""
+    code = """
+    import json, torch, amp_backends
+    real = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 0
+    before = amp_backends.available()
+    torch.accelerator.device_count = real
+    cached = amp_backends.available()
+    amp_backends.reprobe()
+    print(json.dumps({"before": before, "cached": cached, "after": amp_backends.available(),
+                      "best": amp_backends.get().name}))
+    """
+    out = run_json(code, GENERIC, cpu_only_env())
+    assert "sim" not in out["before"] and "sim" not in out["cached"], "asked once per process"
+    assert "sim" in out["after"] and out["best"] == "sim"
+
+
+# the vendor's own backend name ("acme-sim"), not the device type, for the simulated "sim" device
+SIM_PLUGIN = (ACME_SOURCE.replace('name = "acme"', 'name = "acme-sim"').replace('"cpu"', '"sim"')
+              .replace("torch.bfloat16", "torch.float16"))
+
+
+@needs_sim_device
+@needs_accelerator_api
+def test_a_switched_off_vendor_plugin_is_not_replaced_silently(tmp_path):
+    """The vendor's plugin (entry point 'acmesim', device 'sim') switched off: the generic backend
+    serves 'sim', and says that it stands in while a plugin is off."""
+    from conftest import write_distribution
+
+    vendor = write_distribution(tmp_path / "v", "acme-sim", "acme_sim", SIM_PLUGIN, {"acmesim": "acme_sim"})
+    code = """
+    import json, warnings, amp_backends
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        be = amp_backends.get()
+    print(json.dumps({"name": be.name, "warnings": [str(w.message) for w in caught]}))
+    """
+    on = run_json(code, [*GENERIC, str(vendor)], cpu_only_env())
+    assert on["name"] == "acme-sim" and not [w for w in on["warnings"] if "generic backend" in w]
+    env = cpu_only_env()
+    env["AMP_BACKENDS_DISABLE_PLUGINS"] = ",".join(filter(None, [env.get("AMP_BACKENDS_DISABLE_PLUGINS"), "acmesim"]))
+    off = run_json(code, [*GENERIC, str(vendor)], env)
+    assert off["name"] == "sim"
+    assert [w for w in off["warnings"] if "'sim' runs on the generic backend" in w and "acmesim (disabled)" in w]

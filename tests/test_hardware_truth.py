@@ -255,7 +255,7 @@ def test_a_bad_checkpoint_destination_fails_before_training(tmp_path, capsys, wh
     start = time.perf_counter()
     assert cli.main(["demo", "--checkpoint", dest]) == 2
     captured = capsys.readouterr()
-    assert time.perf_counter() - start < 5 and "epoch=" not in captured.err, "no training was spent"
+    assert time.perf_counter() - start < 60 and "epoch=" not in captured.err, "no training was spent"
     expected = {"directory": "is a directory", "under-a-file": "is a file, not a directory", "unwritable": "cannot write"}
     assert expected[where] in captured.err and captured.err.count("\n") == 1
 
@@ -266,12 +266,27 @@ def test_a_bad_checkpoint_destination_fails_before_training(tmp_path, capsys, wh
     (["bench", "--scale", "0"], "--scale must be in (0, 8]"),
     (["bench", "--rounds", "0"], "--rounds must be >= 1"),
     (["bench", "--plot", "/nonexistent/x.png"], "--plot: the folder '/nonexistent' does not exist"),
+    (["bench", "--plot", "x.txt"], "--plot 'x.txt': matplotlib writes .png"),
+    (["bench", "--list", "--models", "bogus"], "--models: unknown model 'bogus'; choose from resnet50"),
+    (["bench", "--models", "mlp,,bogus2"], "unknown model 'bogus2'"),
 ])
 def test_bad_bench_input_is_refused_before_any_work(capsys, argv, message):
     start = time.perf_counter()
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1 and time.perf_counter() - start < 2
+    assert message in err and err.count("\n") == 1
+    assert time.perf_counter() - start < 60, "refused before any work (a bench run takes minutes)"
+
+
+def test_bench_list_as_json():
+    import io
+    from contextlib import redirect_stdout
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["bench", "--list", "--json", "--models", "mlp,cnn"]) == 0
+    listed = json.loads(out.getvalue())
+    assert {entry["model"] for entry in listed} >= {"mlp", "cnn"}
 
 
 def test_amp_backend_naming_no_backend_is_said_by_info(monkeypatch, capsys):

@@ -257,3 +257,40 @@ def test_generated_dtype_arguments(name, dtype):
         getattr(be, name)(dtype)  # the default
         return
     _refused(lambda: getattr(be, name)(dtype))
+
+
+# -- round 3: the scaler's smaller surprises ------------------------------------------------------
+@pytest.mark.parametrize("value", [torch.tensor(8.0), torch.tensor([8.0]), torch.tensor(8, dtype=torch.int64),
+                                   torch.tensor(8.0, dtype=torch.float64)], ids=["0d", "1-element", "int", "float64"])
+def test_init_scale_may_be_a_one_element_tensor_as_torch_takes_it(value):
+    scaler = GradScaler("cpu", init_scale=value, growth_factor=torch.tensor(2.0))
+    reference = torch.amp.GradScaler("cpu", init_scale=value)
+    model, opt, _ = _setup()
+    scaler.scale(model(torch.randn(3, 4)).sum())
+    assert scaler.get_scale() == 8.0 and float(reference.get_scale()) == 8.0
+
+
+@pytest.mark.parametrize("value", [torch.tensor([8.0, 8.0]), torch.tensor(True), torch.tensor(math.nan),
+                                   torch.tensor(-8.0)],
+                         ids=["two-elements", "bool", "nan", "negative"])
+def test_a_tensor_init_scale_that_is_not_a_positive_number_is_refused(value):
+    message = _refused(lambda: GradScaler("cpu", init_scale=value))
+    assert "scale must be a finite number > 0" in message
+
+
+def test_the_returned_norm_is_the_callers_and_the_stats_keep_theirs():
+    model, opt, scaler = _setup()
+    norm = scaler.clip_grad_norm_(opt, 1.0)
+    kept = float(scaler.stats.grad_norm)
+    norm.div_(4.0)  # a caller scaling its copy for logging
+    assert float(scaler.stats.grad_norm) == kept and float(norm) == kept / 4.0
+
+
+@pytest.mark.parametrize("bad", ["model", "none", "params"])
+def test_found_inf_takes_the_optimizer(bad):
+    model, opt, scaler = _setup()
+    scaler.unscale_(opt)
+    value = {"model": model, "none": None, "params": list(model.parameters())}[bad]
+    message = _refused(lambda: scaler.found_inf(value))
+    assert "found_inf takes the optimizer" in message
+    assert scaler.found_inf(opt) is False

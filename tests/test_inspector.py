@@ -4,8 +4,8 @@ as it was (buffers, gradients, hooks, optimizer, RNG)."""
 
 from __future__ import annotations
 
+import json
 import math
-import warnings
 
 import pytest
 import torch
@@ -14,6 +14,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import amp_backends
 from amp_backends import check_model
+from amp_backends.testing import sim_packages_path
+
+from conftest import cpu_only_env, run_json
+from test_mlu import needs_sim_device
 
 pytestmark = pytest.mark.filterwarnings("ignore::amp_backends.PerformanceWarning")
 FP16 = torch.float16
@@ -357,3 +361,94 @@ def test_the_recipe_finds_the_head_by_running_the_model():
     with pytest.warns(RuntimeWarning, match="head is not selected: the last matmul ran in '\\(model\\)'"):
         tied = amp_backends.precision_policy(TiedLM(), example_inputs=torch.zeros(1, 3, dtype=torch.long))
     assert set(tied.selected) == {"norm"}, "no hidden layer taken for the head"
+
+
+# -- amp-backends check: what a target can do wrong is one line and status 2 -----------------------
+TARGETS = '''
+import sys, torch
+from torch import nn
+
+def make():
+    print("building the model")  # a chatty factory: its words must not reach --json's stdout
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8)), torch.randn(2, 4)
+
+def keyed():
+    class Keyed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+        def forward(self, x, scale):
+            return self.lin(x) * scale
+    return Keyed(), {"x": torch.randn(2, 4), "scale": torch.ones(())}
+
+def exits():
+    sys.exit(0)
+
+def bad_loss():
+    return nn.Linear(4, 2), torch.randn(2, 4), "mean"
+
+def not_a_model():
+    return "model", torch.randn(2, 4)
+'''
+
+
+@pytest.fixture
+def check_targets(tmp_path, monkeypatch):
+    (tmp_path / "targets_mod.py").write_text(TARGETS)
+    (tmp_path / "script_mod.py").write_text("import sys\nprint('training...')\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("AMP_BACKEND", raising=False)
+
+
+def _check_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from amp_backends.cli import main
+
+    code = main(["check", *argv, "--backend", "cpu", "--dtype", "bfloat16"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_check_command_keeps_json_clean_and_takes_keyword_inputs(check_targets, capsys):
+    code, out, err = _check_cli(capsys, "targets_mod:make", "--json")
+    assert code == 0 and "building the model" in err
+    assert json.loads(out)["dtype"] == "bfloat16", "stdout is the JSON alone"
+    code, out, err = _check_cli(capsys, "targets_mod:keyed", "--json")
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    assert rows["lin"]["compute"] == "bfloat16", "the keyword inputs reached forward(x, scale)"
+
+
+@pytest.mark.parametrize(("target", "words"), [
+    ("script_mod:make", "importing 'script_mod' exited the process (sys.exit(0))"),
+    ("targets_mod:exits", "targets_mod:exits exited the process (sys.exit(0))"),
+    ("targets_mod:bad_loss", "loss_fn must be callable"),
+    ("targets_mod:not_a_model", "must return (model, example_inputs)"),
+    ("targets_mod:nothing", "has no callable 'nothing'"),
+])
+def test_a_target_that_cannot_be_checked_is_one_line_and_status_2(check_targets, capsys, target, words):
+    code, out, err = _check_cli(capsys, target)
+    assert code == 2 and out == "", "nothing on stdout: a CI step reading it gets no report"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("amp-backends check: error:") and words in last and "Traceback" not in err, err
+
+
+@needs_sim_device
+def test_a_model_left_on_another_device_than_the_backends_is_refused():
+    """On a simulated mlu: a model and inputs still on the CPU would run without the mlu's autocast (every
+    layer in float32); the check refuses, naming the device and the way out, and checks once moved."""
+    code = """
+    import json, torch, amp_backends
+    from amp_backends import check_model
+    be = amp_backends.get("mlu")
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    try:
+        check_model(model, x, be)
+        refusal = None
+    except amp_backends.AmpBackendsError as exc:
+        refusal = str(exc)
+    report = check_model(model.to(be.device()), x.to(be.device()), be)
+    print(json.dumps({"refusal": refusal, "summary": report.summary, "grad": model.weight.grad is None}))
+    """
+    out = run_json(code, [sim_packages_path("mlu")], cpu_only_env())
+    assert out["refusal"] and "'cpu'" in out["refusal"] and ".to(amp_backends.get('mlu').device())" in out["refusal"]
+    assert "100% of matmul FLOPs in float16" in out["summary"] and out["grad"]

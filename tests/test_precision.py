@@ -5,6 +5,7 @@ bf16) and on the simulated devices."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import subprocess
@@ -261,19 +262,48 @@ def test_the_recipe_trains_to_the_fp32_loss(kind, dtype):
     assert math.isfinite(amp) and abs(amp - fp32) <= 0.05 * abs(fp32), (amp, fp32)
 
 
-def test_the_policy_under_torch_compile_gives_the_eager_result():
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_the_policy_under_torch_compile_gives_the_eager_result(backend):
+    """Forward and backward: under AOTAutograd (aot_eager) too, the selected modules' backward runs in
+    float32 as in eager (torch traces a compiled backward under the forward's autocast unless told
+    not to: the policy holds torch._functorch.config.backward_pass_autocast at "off")."""
     torch.manual_seed(0)
     model = _GPTLike()
+    twin = copy.deepcopy(model)
     ids = torch.randint(0, 64, (2, 8))
-    precision_policy(model)
+    gc.collect()  # policies other tests never removed hold the setting until their models are collected
+    before = getattr(torch._functorch.config, "backward_pass_autocast", None)
+    policies = [precision_policy(model), precision_policy(twin)]
+    held = getattr(torch._functorch.config, "backward_pass_autocast", None)
+    assert held == ("off" if before is not None else None)
     cpu = amp_backends.get("cpu")
     with cpu.autocast(torch.bfloat16):
         eager = model(ids)
-    compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(twin, backend=backend)
     with cpu.autocast(torch.bfloat16):
         out = compiled(ids)
     assert eager.dtype == out.dtype == torch.float32, "the head ran in float32 in both"
     assert torch.equal(eager, out)
+    eager.square().mean().backward()
+    out.square().mean().backward()
+    config = getattr(torch._functorch.config, "backward_pass_autocast", None)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        if config is None and backend == "aot_eager":
+            # torch without the setting (2.4) traces the compiled backward under the forward's autocast:
+            # the float32 modules' backward runs in bf16 there (docs/precision.md): close, not equal
+            assert (a.grad - b.grad).norm() <= 0.05 * a.grad.norm() + 1e-6, name
+        else:
+            assert torch.equal(a.grad, b.grad), name
+    for policy in policies:
+        policy.remove()
+    assert getattr(torch._functorch.config, "backward_pass_autocast", None) == before, \
+        "torch's setting is back once no policy holds it"
+    leaked = _GPTLike()
+    precision_policy(leaked)  # never removed: its hold ends with the model
+    assert getattr(torch._functorch.config, "backward_pass_autocast", None) == held
+    del leaked
+    gc.collect()
+    assert getattr(torch._functorch.config, "backward_pass_autocast", None) == before
 
 
 # -- gradient-norm monitoring ------------------------------------------------------------------------

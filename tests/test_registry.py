@@ -357,3 +357,32 @@ def test_submodules_load_on_first_use():
     assert out == [[], True]
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         amp_backends.nope  # noqa: B018
+
+
+@pytest.mark.parametrize(("env", "acme_loaded", "warned"), [
+    ({"AMP_BACKENDS_DISABLE_PLUGINS": "acmee"}, True, "AMP_BACKENDS_DISABLE_PLUGINS names 'acmee', which no installed"),
+    ({"AMP_BACKENDS_DISABLE_PLUGINS": "acme_amp"}, False, None),  # the import name is the distribution's
+    ({"AMP_BACKENDS_DISABLE_PLUGINS": "ACME"}, False, None),
+    ({"AMP_BACKENDS_PLUGINS": "acme,nosuch"}, True, "AMP_BACKENDS_PLUGINS names 'nosuch'"),
+    ({"AMP_BACKENDS_PLUGINS": ""}, True, "AMP_BACKENDS_PLUGINS is set but empty and is ignored"),
+    ({"AMP_BACKENDS_PLUGINS": " , "}, True, "AMP_BACKENDS_PLUGINS is set but empty and is ignored"),
+], ids=["typo", "import-name", "case", "allow-unknown", "allow-empty", "allow-commas"])
+def test_plugin_variables_that_name_nothing_are_said(acme_plugin, env, acme_loaded, warned):
+    out = run_json(
+        """
+        import json, warnings, amp_backends
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            names = amp_backends.names()
+        print(json.dumps({"names": names, "warnings": [str(w.message) for w in caught]}))
+        """,
+        [acme_plugin],
+        env,
+    )
+    assert ("acme" in out["names"]) is acme_loaded and "cpu" in out["names"]
+    if warned is None:
+        assert out["warnings"] == []
+    else:
+        assert [w for w in out["warnings"] if warned in w], out["warnings"]
+        if "names '" in warned:
+            assert "plugins here: acme, cpu" in out["warnings"][0]

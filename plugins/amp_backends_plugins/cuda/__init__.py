@@ -81,6 +81,29 @@ class CUDABackend(Backend):
         major, minor = torch.cuda.get_device_capability()
         return f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no bf16 tensor cores (8.0+)"
 
+    def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+        """fp8 matmuls (``torch._scaled_mm``): NVIDIA from compute capability 8.9 (Ada, Hopper,
+        Blackwell) in the OCP formats; AMD gfx942 (MI300) in the fnuz formats, gfx950 (MI350) in OCP's."""
+        if not self.is_available() or not hasattr(torch, "float8_e4m3fn"):
+            return ()
+        if rocm_version() is not None:
+            arch = gcn_arch()
+            if arch == "gfx942":
+                return (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+            return (torch.float8_e4m3fn, torch.float8_e5m2) if arch == "gfx950" else ()
+        return (torch.float8_e4m3fn, torch.float8_e5m2) if torch.cuda.get_device_capability() >= (8, 9) else ()
+
+    def fp8_recipes(self) -> tuple[str, ...]:
+        """All three on NVIDIA (torch's rowwise kernels exist for sm89, sm9x and sm10x); on ROCm,
+        rowwise through hipBLASLt from torch 2.6 (pytorch#144432), tensorwise before."""
+        from amp_backends.fp8 import RECIPES
+
+        if not self.fp8_dtypes():
+            return ()
+        if rocm_version() is not None and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 6):
+            return ("tensorwise",)
+        return RECIPES
+
     def describe(self) -> str | None:
         """"NVIDIA H100 (CUDA 12.8, compute capability 9.0)" or "AMD Instinct MI300X (ROCm 6.2, gfx942)"."""
         if not self.is_available():

@@ -36,19 +36,28 @@ class HPUBackend(ExtensionBackend):
     visible_devices = ("HABANA_VISIBLE_MODULES", "HABANA_VISIBLE_DEVICES")
     device_tool = "hl-smi"
 
-    def _generation(self, module: Any) -> str:
-        name = getattr(module, "get_device_name", None)
-        return str(name()).upper() if callable(name) else "GAUDI"
+    def _generation(self, module: Any) -> str | None:
+        """"GAUDI", "GAUDI2", "GAUDI3" as the stack names the device; None where it cannot say."""
+        query = getattr(module, "get_device_name", None)
+        if not callable(query):
+            return "GAUDI"
+        try:
+            name = query()
+        except Exception:  # noqa: BLE001 - a failing name query costs only the name
+            return None
+        return str(name).strip().upper() or None if name is not None else None
 
     def _fp16(self, module: Any) -> bool:
         """The stack's own answer (``habana_frameworks.torch.utils.experimental._is_fp16_supported``,
-        what DeepSpeed asks), else by generation: no fp16 on first-generation Gaudi."""
+        what DeepSpeed asks), else by generation: no fp16 on first-generation Gaudi, nor where the
+        generation is unknown (bf16, every Gaudi's dtype, is unaffected)."""
         try:
             from habana_frameworks.torch.utils import experimental  # type: ignore[import-not-found]
 
             return bool(experimental._is_fp16_supported())
-        except (ImportError, AttributeError):
-            return self._generation(module) != "GAUDI"
+        except Exception:  # noqa: BLE001 - missing or failing: judged by generation
+            generation = self._generation(module)
+            return generation is not None and generation != "GAUDI"
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         """bf16 on every Gaudi; fp16 where the stack says the device has it (Gaudi 2 on)."""
@@ -61,7 +70,9 @@ class HPUBackend(ExtensionBackend):
         module = self._load()
         if module is None or self.unavailable_reason() is not None:
             return None
-        return f"Intel {self._generation(module).title().replace('Gaudi', 'Gaudi ').strip()} ({module.device_count()} device(s))"
+        generation = self._generation(module)
+        shown = generation.title().replace("Gaudi", "Gaudi ").strip() if generation else "Gaudi (generation unknown)"
+        return f"Intel {shown} ({module.device_count()} device(s))"
 
 
 @hookimpl

@@ -85,7 +85,10 @@ class XPUBackend(Backend):
         1/scale in float32."""
         if not self.is_available():
             return True
-        props = _module().get_device_properties(_module().current_device())
+        try:
+            props = _module().get_device_properties(_module().current_device())
+        except Exception:  # noqa: BLE001 - unknown: float32, which every device has, is the safe answer
+            return False
         return bool(getattr(props, "has_fp64", True))
 
     dist_install_hint = ("use a torch XPU build with XCCL (torch.distributed.is_xccl_available()), or install "
@@ -108,7 +111,10 @@ class XPUBackend(Backend):
         if not self.is_available():
             return None
         xpu = _module()
-        name = xpu.get_device_name(xpu.current_device())
+        try:
+            name = xpu.get_device_name(xpu.current_device()) or "Intel GPU (no name reported)"
+        except Exception as exc:  # noqa: BLE001 - a failing name query costs only the name
+            name = f"Intel GPU (name unavailable: {type(exc).__name__})"
         fp64 = "" if self.has_fp64 else ", no float64"
         return f"{name} (torch.xpu, {xpu.device_count()} device(s){fp64})"
 
