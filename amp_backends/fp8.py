@@ -3,8 +3,9 @@
 A precision policy's ``fp8=`` selects the layers; this module says which of them can run in fp8 and
 why not, converts them (``torchao.float8``'s ``Float8Linear``, through :meth:`Backend.fp8_linear`,
 which a vendor plugin may fill with its own fp8 layer) and restores them. The parameters stay the
-same objects, so an optimizer built before or after keeps training them, and ``state_dict`` keys
-never change: a checkpoint moves between fp8 and bf16 runs.
+same objects, so an optimizer built before or after keeps training them (with ``fp8_all_gather``
+each weight is wrapped for FSDP2: build the optimizer after), and ``state_dict`` keys never change:
+a checkpoint moves between fp8 and bf16 runs.
 
 Precedence, per module: float32 (a policy's ``fp32=``) beats fp8, which beats the autocast dtype.
 """
