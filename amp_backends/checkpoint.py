@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import checkpoint_values
-from .errors import AmpBackendsError
+from .errors import AmpBackendsError, first_line
 
 FORMAT = "amp-backends-checkpoint"
 VERSION = 3  # 3: tagged values (numpy, paths, dates, namespaces); 2 is read too
@@ -91,16 +91,16 @@ def _resolve(path: str | os.PathLike[str], action: str) -> Path:
     if not os.fspath(path):
         raise CheckpointError(f"the checkpoint path is empty: give the file {action}")
     target = Path(path)
-    if target.is_symlink():
-        try:
-            target = Path(os.path.realpath(target, strict=True)) if target.exists() else target.resolve(strict=False)
-        except (OSError, RuntimeError):
-            raise CheckpointError(f"{_shown(path)} is a symlink that loops (it never names a file): replace the "
-                                  "link or give another path") from None
-        if target.is_symlink():
-            raise CheckpointError(f"{_shown(path)} is a symlink that loops (it never names a file): replace the "
-                                  "link or give another path")
-    return target
+    if not target.is_symlink():
+        return target
+    try:
+        resolved: Path | None = target.resolve(strict=target.exists())
+    except (OSError, RuntimeError):  # a loop (RuntimeError before Python 3.13)
+        resolved = None
+    if resolved is None or resolved.is_symlink():
+        raise CheckpointError(f"{_shown(path)} is a symlink that loops (it never names a file): replace the "
+                              "link or give another path")
+    return resolved
 
 
 def check_destination(path: str | os.PathLike[str]) -> Path:
@@ -231,5 +231,4 @@ def _why_unreadable(exc: Exception) -> str:
     if refused:
         return (f"it holds {refused.group(1)}, which weights-only (safe) loading refuses; if you trust the file, "
                 f"allowlist it with torch.serialization.add_safe_globals([{refused.group(1).rsplit('.', 1)[-1]}])")
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"{type(exc).__name__}: {_shown(first[:160])}"
+    return f"{type(exc).__name__}: {_shown(first_line(text)[:160])}"

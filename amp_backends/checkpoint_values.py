@@ -30,7 +30,8 @@ def _safe_globals() -> set[type]:
         found = get() if callable(get) else []
     except Exception:  # noqa: BLE001 - no allowlist known
         found = []
-    return {g[0] if isinstance(g, tuple) else g for g in found if isinstance(g if not isinstance(g, tuple) else g[0], type)}
+    entries = (g[0] if isinstance(g, tuple) else g for g in found)  # (type, "name") pairs or types
+    return {g for g in entries if isinstance(g, type)}
 
 
 def _where(path: str) -> str:
@@ -47,6 +48,11 @@ def _numpy(value: Any) -> Any:
     return numpy if isinstance(value, (numpy.generic, numpy.ndarray)) else None
 
 
+def _byte_tensor(data: bytes | bytearray) -> torch.Tensor:
+    """``data`` as a uint8 tensor of its own (torch.frombuffer refuses an empty buffer)."""
+    return torch.frombuffer(bytearray(data) or bytearray(1), dtype=torch.uint8)[: len(data)].clone()
+
+
 def encode(value: Any, error: Callable[[str], Exception], path: str = "") -> Any:
     """``value`` with every non-plain leaf tagged; raises ``error(message)`` naming the first leaf that
     cannot be carried."""
@@ -59,14 +65,12 @@ def encode(value: Any, error: Callable[[str], Exception], path: str = "") -> Any
                 raise error(f"{_where(path)} is a numpy array of Python objects, which a checkpoint cannot carry "
                             "safely: convert it to numbers or strings first")
             return {TAG: "numpy.ndarray", "dtype": value.dtype.str, "shape": list(value.shape),
-                    "data": torch.frombuffer(bytearray(np.ascontiguousarray(value).tobytes()) or bytearray(1),
-                                             dtype=torch.uint8)[: value.nbytes].clone()}
+                    "data": _byte_tensor(np.ascontiguousarray(value).tobytes())}
         return {TAG: "numpy.generic", "data": encode(np.asarray(value), error, path)}
     if isinstance(value, complex):
         return {TAG: "complex", "real": value.real, "imag": value.imag}
     if isinstance(value, (bytes, bytearray)):
-        return {TAG: type(value).__name__, "data": torch.frombuffer(bytearray(value) or bytearray(1),
-                                                                    dtype=torch.uint8)[: len(value)].clone()}
+        return {TAG: type(value).__name__, "data": _byte_tensor(value)}
     if isinstance(value, pathlib.PurePath):
         return {TAG: "path", "value": str(value)}
     if isinstance(value, datetime.datetime):
@@ -105,7 +109,7 @@ def encode(value: Any, error: Callable[[str], Exception], path: str = "") -> Any
 def decode(value: Any, error: Callable[[str], Exception]) -> Any:
     """The values :func:`encode` tagged, as they were."""
     if isinstance(value, dict):
-        tag = value.get(TAG) if TAG in value else None
+        tag = value.get(TAG)
         if tag is None:
             out = type(value)() if isinstance(value, OrderedDict) else {}
             for key, item in value.items():

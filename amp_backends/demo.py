@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from . import checkpoint
 from .backend import Backend
-from .errors import AmpBackendsError, PerformanceWarning, UnsupportedDtypeError
+from .errors import AmpBackendsError, PerformanceWarning, UnsupportedDtypeError, first_line
 from .console import ProgressBar
 from .registry import get
 
@@ -289,7 +289,7 @@ def _resume(cfg: DemoConfig, be: Backend, dtype: torch.dtype, model: torch.nn.Mo
         opt.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc) or type(exc).__name__
         raise checkpoint.CheckpointError(f"{cfg.resume} does not fit this model: {first[:200]}") from None
     return epoch, history
 

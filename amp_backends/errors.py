@@ -36,3 +36,9 @@ class StateDictError(AmpBackendsError, ValueError):
 
 class PerformanceWarning(UserWarning):
     """Mixed precision that will run slower here than float32 (an emulated dtype)."""
+
+
+def first_line(text: object) -> str:
+    """The first line of ``text`` (an exception's message), stripped; "" where it has none."""
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else ""

@@ -107,9 +107,9 @@ class Fp32Forward:
         )
 
 
-#: Policies that hold torch.compile's backward autocast off (see :func:`hold_eager_backward`).
+#: The holds keeping torch.compile's backward autocast off (see :func:`hold_eager_backward`); not
+#: empty exactly while this module has switched torch's setting from "same_as_forward" to "off".
 _BACKWARD_HOLDERS: set[int] = set()
-_BACKWARD_SAVED: list[Any] = []
 _HOLDS = itertools.count()
 
 
@@ -128,12 +128,12 @@ def hold_eager_backward(model: nn.Module) -> int:
     config = _functorch_config()
     if config is None:
         return hold
-    if not _BACKWARD_HOLDERS and config.backward_pass_autocast == "same_as_forward":
-        _BACKWARD_SAVED.append("same_as_forward")
+    if not _BACKWARD_HOLDERS:
+        if config.backward_pass_autocast != "same_as_forward":
+            return hold  # the user's own value: left alone
         config.backward_pass_autocast = "off"
-    if _BACKWARD_SAVED:
-        _BACKWARD_HOLDERS.add(hold)
-        weakref.finalize(model, release_eager_backward, hold)
+    _BACKWARD_HOLDERS.add(hold)
+    weakref.finalize(model, release_eager_backward, hold)
     return hold
 
 
@@ -143,10 +143,8 @@ def release_eager_backward(hold: int) -> None:
         return
     _BACKWARD_HOLDERS.discard(hold)
     config = _functorch_config()
-    if not _BACKWARD_HOLDERS and _BACKWARD_SAVED and config is not None:
-        previous = _BACKWARD_SAVED.pop()
-        if config.backward_pass_autocast == "off":  # unless the user changed it meanwhile
-            config.backward_pass_autocast = previous
+    if not _BACKWARD_HOLDERS and config is not None and config.backward_pass_autocast == "off":
+        config.backward_pass_autocast = "same_as_forward"  # unless the user changed it meanwhile
 
 
 def _functorch_config() -> Any:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .backend import FP8_RECIPES, Backend
-from .errors import AmpBackendsError
+from .errors import AmpBackendsError, first_line
 
 __all__ = ["FP8_HARDWARE", "RECIPES", "Fp8UnavailableError", "eligibility", "engine", "unavailable_reason"]
 
@@ -78,7 +78,7 @@ def engine() -> Any:
     except ImportError as exc:
         _ENGINE["error"] = (
             "fp8 training needs torchao, which is not installed: pip install 'amp-backends[fp8]' (or torchao "
-            f"built for torch {torch.__version__.split('+')[0]}; tested: {TESTED})" if not _installed() else
+            f"built for torch {torch.__version__.split('+')[0]}; tested: {TESTED})" if torchao_version() is None else
             _mismatch(exc))
         raise Fp8UnavailableError(_ENGINE["error"]) from None
     except Exception as exc:  # noqa: BLE001 - a torchao built for another torch fails in many ways
@@ -88,25 +88,28 @@ def engine() -> Any:
     return float8
 
 
-def _installed() -> bool:
+def torchao_version() -> str | None:
+    """The installed torchao's version (found without importing it; "?" where its metadata is
+    missing), or None where it is not installed."""
     import importlib.util
+    from importlib import metadata
 
     try:
-        return importlib.util.find_spec("torchao") is not None
+        if importlib.util.find_spec("torchao") is None:
+            return None
     except (ImportError, ValueError):  # None in sys.modules, or a broken half-import
-        return False
+        return None
+    try:
+        return metadata.version("torchao")
+    except metadata.PackageNotFoundError:
+        return "?"
 
 
 def _mismatch(exc: BaseException) -> str:
-    try:
-        from importlib.metadata import version
-
-        ao = f"torchao {version('torchao')}"
-    except Exception:  # noqa: BLE001
-        ao = "the installed torchao"
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    version = torchao_version()
+    ao = f"torchao {version}" if version not in (None, "?") else "the installed torchao"
     return (f"fp8 training is unavailable: {ao} does not work with torch {torch.__version__} "
-            f"({type(exc).__name__}: {first[:160]}); install the torchao release made for this torch "
+            f"({type(exc).__name__}: {first_line(exc)[:160]}); install the torchao release made for this torch "
             f"(tested: {TESTED}), or upgrade torch")
 
 

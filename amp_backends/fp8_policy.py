@@ -19,6 +19,8 @@ __all__ = ["Fp8Conversion", "convert"]
 
 _FIRST = "the first Linear layer the model runs (the recipe keeps it in the autocast dtype)"
 _LAST = "the last Linear layer the model runs (the recipe keeps it in the autocast dtype)"
+_FLOAT32 = "float32 by this policy (float32 beats fp8)"
+_HEAD = "the head (the recipe keeps it out of fp8)"
 
 
 @dataclass
@@ -100,35 +102,25 @@ def _plan(model: nn.Module, selectors: Sequence[Selector], recipe: str, float32:
           example_inputs: Any) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, str]]:
     explicit = [s for s in selectors if s != RECIPE]
     chosen, skipped = select(model, explicit, head=None, argument="fp8") if explicit else ({}, {})
-    by_recipe: set[str] = set()
     if RECIPE in selectors:
-        seen: set[int] = set()
-        linears = []
-        for name, module in model.named_modules():
-            if strip(name) and isinstance(module, nn.Linear) and id(module) not in seen:
-                seen.add(id(module))
-                linears.append(name)
+        # named_modules() gives a shared module once, under its first name
+        linears = [name for name, module in model.named_modules() if strip(name) and isinstance(module, nn.Linear)]
         order = fp8.linear_order(model, example_inputs, linears)
         ends = {order[0]: _FIRST, order[-1]: _LAST} if order else {}
         for name in linears:
             if name in chosen or name in skipped:
                 continue
             module = model.get_submodule(name)
-            if id(module) in float32:
-                skipped[name] = "float32 by this policy (float32 beats fp8)"
-                continue
-            why_not = ends.get(name) or (
-                "the head (the recipe keeps it out of fp8)" if head is not None and strip(name) == head else None)
-            if why_not is None and fp8.eligibility(module) is None:
-                why_not = fp8.too_small(module, recipe)
+            why_not = (_FLOAT32 if id(module) in float32 else ends.get(name)
+                       or (_HEAD if head is not None and strip(name) == head else None)
+                       or fp8.eligibility(module) or fp8.too_small(module, recipe))
             if why_not is not None:
                 skipped[name] = why_not
             else:
                 chosen[name] = (module, "recipe: a Linear layer")
-                by_recipe.add(name)
     plan = {}
     for name, (module, reason) in chosen.items():
-        why_not = "float32 by this policy (float32 beats fp8)" if id(module) in float32 else fp8.eligibility(module)
+        why_not = _FLOAT32 if id(module) in float32 else fp8.eligibility(module)
         if why_not is None:
             plan[name] = (module, reason)
         else:

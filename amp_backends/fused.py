@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .errors import first_line
+
 __all__ = ["ABSENT", "HONOURS", "IGNORES", "REFUSED", "REJECTS", "STATUSES", "FusedKernel", "kind_of", "probe"]
 
 #: The kernel skips the step when handed found_inf = 1 (torch's own kernels, torch_mlu's).
@@ -94,5 +96,4 @@ def _defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return first_line(exc) or type(exc).__name__

@@ -134,26 +134,15 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
 def _fp8_engine(needed: bool) -> dict[str, Any]:
     """torchao, the fp8 engine: its version, and whether it works with this torch (imported, so asked,
     only where a backend here has fp8 matmuls: the import takes a second or two)."""
-    from importlib import metadata, util
+    from .fp8 import torchao_version, unavailable_reason
 
-    try:
-        installed = util.find_spec("torchao") is not None
-    except (ImportError, ValueError):
-        installed = False
-    version = None
-    if installed:
-        try:
-            version = metadata.version("torchao")
-        except metadata.PackageNotFoundError:
-            version = "?"
+    version = torchao_version()
     problem = None
-    if not installed:
+    if version is None:
         problem = "torchao is not installed: pip install 'amp-backends[fp8]'"
     elif needed:
-        from .fp8 import unavailable_reason
-
         problem = unavailable_reason()
-    return {"torchao": version, "problem": problem, "checked": needed or not installed}
+    return {"torchao": version, "problem": problem, "checked": needed or version is None}
 
 
 def render(data: dict[str, Any], verbose: bool = False) -> str:

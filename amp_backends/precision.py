@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from torch import nn
 from .fp32_forward import Fp32Forward, hold_eager_backward, release_eager_backward
 from .fp8_policy import Fp8Conversion, convert
 from .selectors import NORM_TYPES, RECIPE, Selector, check_selectors, recipe_head, select
+
+if TYPE_CHECKING:
+    from .backend import Backend
 
 __all__ = ["NORM_TYPES", "OP_MODULES", "RECIPE", "PrecisionPolicy", "Selector", "fp32_modules", "precision_policy"]
 
@@ -212,7 +215,7 @@ def precision_policy(
         raise TypeError(f"precision_policy takes a torch.nn.Module, got {type(model).__name__}")
     selectors = check_selectors(fp32)
     types = _device_types(device_types)
-    fp8_selectors = _fp8_args(fp8, fp8_recipe, emulate, backend, fp8_all_gather)
+    fp8_selectors, fp8_backend = _fp8_args(fp8, fp8_recipe, emulate, backend, fp8_all_gather)
     extra = _backend_ops(backend) if backend is not None else []
     head, how = (None, "")
     if RECIPE in selectors or RECIPE in (fp8_selectors or ()):
@@ -222,11 +225,9 @@ def precision_policy(
     chosen, skipped = select(model, selectors, head=head if RECIPE in selectors else None, extra=extra)
     _refuse_fp8_layers(chosen)
     policy = PrecisionPolicy(model, skipped=skipped, head_found_by=how)
-    if fp8_selectors is not None:
-        from .registry import resolve_backend
-
+    if fp8_selectors is not None and fp8_backend is not None:
         policy._fp8 = convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
-                              backend=resolve_backend(backend), float32={id(m) for m, _ in chosen.values()},
+                              backend=fp8_backend, float32={id(m) for m, _ in chosen.values()},
                               head=head, example_inputs=example_inputs, all_gather=bool(fp8_all_gather))
     for name, (module, reason) in chosen.items():
         wrapper = module.__dict__.get("forward")
@@ -240,8 +241,10 @@ def precision_policy(
     return policy
 
 
-def _fp8_args(fp8: Any, recipe: Any, emulate: Any, backend: Any, all_gather: Any) -> list[Selector] | None:
-    """``fp8``'s selectors, checked with the recipe, the device and the engine (torchao); None without fp8."""
+def _fp8_args(fp8: Any, recipe: Any, emulate: Any, backend: Any,
+              all_gather: Any) -> tuple[list[Selector], Backend] | tuple[None, None]:
+    """``fp8``'s selectors and the backend they train on, checked with the recipe, the device and the
+    engine (torchao); (None, None) without fp8."""
     from . import fp8 as engine
     from .validation import flag
 
@@ -251,15 +254,16 @@ def _fp8_args(fp8: Any, recipe: Any, emulate: Any, backend: Any, all_gather: Any
         if emulate or all_gather or recipe != "tensorwise":
             raise ValueError("precision_policy: fp8_recipe, emulate and fp8_all_gather apply to the layers fp8= "
                              "selects; pass fp8=[...] (e.g. fp8=[torch.nn.Linear] or fp8=amp_backends.RECIPE)")
-        return None
+        return None, None
     selectors = check_selectors(fp8, "fp8")
     engine.check_recipe(recipe)
     engine.check_all_gather(recipe, all_gather)
     from .registry import resolve_backend
 
-    engine.check_device(resolve_backend(backend), recipe, emulate)
+    be = resolve_backend(backend)
+    engine.check_device(be, recipe, emulate)
     engine.engine()
-    return selectors
+    return selectors, be
 
 
 def _refuse_fp8_layers(chosen: dict[str, tuple[nn.Module, str]]) -> None:
