@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from .arena import FlatGrads, flat_grads
+from .gradients.arena import FlatGrads, flat_grads
 from .backend import Backend
 from .errors import (
     AmpBackendsError,
@@ -21,20 +21,22 @@ from .errors import (
     UnknownBackendError,
     UnsupportedDtypeError,
 )
-from .hookspecs import hookimpl, hookspec
-from .kernels import Kernel, TorchKernel
-from .modules import AutocastModule, autocast_module
-from .precision import RECIPE, PrecisionPolicy, precision_policy
-from .registry import available, get, names, plugins, register_plugin, reload, reprobe
-from .scaler import GradScaler, ScalerStats
+from .registry.hookspecs import hookimpl, hookspec
+from .gradients.kernel import Kernel, TorchKernel
+from .precision.autocast_module import AutocastModule, autocast_module
+from .precision.policy import RECIPE, PrecisionPolicy, precision_policy
+from .registry.registry import available, get, names, plugins, register_plugin, reload, reprobe
+from .scaler.scaler import GradScaler, ScalerStats
 
 __version__ = "0.1.0"
 
 
-_LAZY_SUBMODULES = ("check", "checkpoint", "distributed", "info", "testing")
+#: Submodules reached as attributes, imported on first use: name -> module.
+_LAZY_SUBMODULES = {"check": "inspector.check", "checkpoint": "checkpoint", "distributed": "distributed",
+                    "info": "cli.info", "testing": "testing"}
 #: The inspector's names, imported on first use: name -> module.
-_LAZY_NAMES = {"check_model": "check", "ModelReport": "report", "detect_nonfinite": "nonfinite",
-               "NonFiniteReport": "nonfinite"}
+_LAZY_NAMES = {"check_model": "inspector.check", "ModelReport": "inspector.report",
+               "detect_nonfinite": "inspector.nonfinite", "NonFiniteReport": "inspector.nonfinite"}
 
 
 def __getattr__(name: str) -> object:
@@ -42,7 +44,7 @@ def __getattr__(name: str) -> object:
     import importlib
 
     if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"{__name__}.{_LAZY_SUBMODULES[name]}")
     if name in _LAZY_NAMES:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-from . import accelerator, fused
+from .devices import accelerator
+from .devices import fused
 from .errors import PerformanceWarning, UnsupportedDtypeError
-from .flat import FlatGroup, GradGroup
-from .kernels import TORCH_KERNEL, Kernel, add_sum_of_squares
+from .gradients.groups import FlatGroup, GradGroup
+from .gradients.kernel import TORCH_KERNEL, Kernel, add_sum_of_squares
 
 __all__ = ["FP8_RECIPES", "Backend", "group_by_device_and_dtype", "provide"]
 
@@ -107,7 +108,7 @@ class Backend:
     fp32_ops: tuple[str, ...] = ()
     #: What the device's fused optimizer kernels (``Adam/AdamW/SGD(fused=True)``) do with the
     #: scaler's ``found_inf``, per kind (``"adam"``, ``"adamw"``, ``"sgd"``, or a vendor optimizer's
-    #: qualified class name): a status of :mod:`amp_backends.fused` (HONOURS, IGNORES, REJECTS, ABSENT,
+    #: qualified class name): a status of :mod:`amp_backends.devices.fused` (HONOURS, IGNORES, REJECTS, ABSENT,
     #: REFUSED) or ``(status, "the source it is known from")``. A kind not declared is probed once on
     #: the device; None probes every kind. The scaler hands found_inf only to a kernel that honours
     #: it and skips every other fused step itself; an ABSENT or REFUSED one is refused with the reason.

@@ -35,8 +35,8 @@ import warnings
 import torch
 
 import amp_backends
-from amp_backends.bench import Mode, _quartiles, _ratios, make_step
-from amp_backends.bench_models import MODELS
+from amp_backends.cli.bench import Mode, _quartiles, _ratios, make_step
+from amp_backends.cli.bench_models import MODELS
 
 
 def _timed(be, step) -> float:  # type: ignore[no-untyped-def]

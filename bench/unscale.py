@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
 
-    from amp_backends.kernels import TORCH_KERNEL
+    from amp_backends.gradients.kernel import TORCH_KERNEL
     from amp_backends_plugins.triton import TritonKernel
 
     ours = TritonKernel()

@@ -18,5 +18,5 @@ python -m pip install --quiet -c .venv-torch24/constraints.txt -e . pytest pytes
     "setuptools>=70.1" matplotlib
 python -c "import torch, triton; print('oldest supported torch:', torch.__version__, 'triton:', triton.__version__)"
 # fp8 (torchao) is not installed here: no torchao release this project uses imports on torch 2.4. Say so.
-python -c "from amp_backends import fp8; print('fp8 training:', fp8.unavailable_reason() or 'available')"
+python -c "from amp_backends.precision.fp8 import engine as fp8; print('fp8 training:', fp8.unavailable_reason() or 'available')"
 python -m pytest -n auto -p no:cacheprovider

@@ -91,7 +91,7 @@ def test_xpu_is_chosen_where_torch_reports_it(monkeypatch, fresh_registry):
     assert be.autocast(torch.bfloat16).fast_dtype == torch.bfloat16  # torch's autocast takes it for xpu
     scaler = be.grad_scaler()
     assert scaler.is_enabled() and scaler.backend is be
-    from amp_backends import info
+    from amp_backends.cli import info
 
     row = next(r for r in info.collect()["backends"] if r["name"] == "xpu")
     assert row["available"] and row["device"] == "Intel(R) Data Center GPU Max 1550 (torch.xpu, 2 device(s))"
@@ -121,13 +121,13 @@ def test_a_process_group_backend_only_where_it_can_reduce_the_devices_tensors():
     """torch's declared capabilities decide: gloo for cpu, nccl for cuda, none for mps (torch maps mps
     to gloo, which cannot reduce mps tensors) or an unknown device; an extension's registered backend
     for its device type (tested in a subprocess: registering changes torch's tables)."""
-    from amp_backends.accelerator import process_group_backend
+    from amp_backends.devices.accelerator import process_group_backend
 
     assert process_group_backend("cpu") == "gloo" and process_group_backend("cuda") == "nccl"
     assert process_group_backend("mps") == "" and process_group_backend("acme") == ""
     out = run_json("""
 import json, torch.distributed as dist
-from amp_backends.accelerator import process_group_backend
+from amp_backends.devices.accelerator import process_group_backend
 dist.Backend.register_backend("acmecl", lambda *a: None, devices=["acme"])
 print(json.dumps(process_group_backend("acme")))
 """)
@@ -419,8 +419,8 @@ def test_cuda_declares_fp8_from_compute_capability_8_9(monkeypatch, capability, 
     assert tuple(str(d).replace("torch.", "") for d in be.fp8_dtypes()) == fp8
     assert be.fp8_recipes() == (("tensorwise", "rowwise", "rowwise_with_gw_hp") if fp8 else ())
     if not fp8:
-        with pytest.raises(amp_backends.fp8.Fp8UnavailableError, match=rf"backend 'cuda' \({name} .*has no fp8 matmul"):
-            amp_backends.fp8.check_device(be, "tensorwise", emulate=False)
+        with pytest.raises(amp_backends.precision.fp8.engine.Fp8UnavailableError, match=rf"backend 'cuda' \({name} .*has no fp8 matmul"):
+            amp_backends.precision.fp8.engine.check_device(be, "tensorwise", emulate=False)
 
 
 @pytest.mark.parametrize(("arch", "fp8"), [
@@ -436,14 +436,14 @@ def test_rocm_declares_fp8_by_architecture(monkeypatch, arch, fp8):
 @pytest.mark.filterwarnings("ignore:kernel 'triton'")  # its self-check cannot run on a patched device
 def test_info_shows_fp8_per_backend(monkeypatch, fresh_registry):
     _patch_nvidia(monkeypatch, (9, 0), "NVIDIA H100")
-    monkeypatch.setattr(amp_backends.info, "_fp8_engine", lambda needed: {"torchao": "0.18.0", "problem": None,
+    monkeypatch.setattr(amp_backends.cli.info, "_fp8_engine", lambda needed: {"torchao": "0.18.0", "problem": None,
                                                                           "checked": needed})
-    data = amp_backends.info.collect()
+    data = amp_backends.cli.info.collect()
     rows = {b["name"]: b for b in data["backends"]}
     assert rows["cuda"]["reason"] is None, rows["cuda"]["reason"]
     assert rows["cuda"]["fp8_dtypes"] == ["float8_e4m3fn", "float8_e5m2"] and rows["cpu"]["fp8_dtypes"] == []
     assert data["fp8_engine"]["checked"] is True, "a backend with fp8 here: torchao is imported to check it"
-    text = amp_backends.info.render(data)
+    text = amp_backends.cli.info.render(data)
     assert "cuda: float8_e4m3fn, float8_e5m2; recipes tensorwise, rowwise, rowwise_with_gw_hp" in text
 
 
@@ -475,7 +475,7 @@ def test_a_kernel_is_adopted_on_rocm_only_after_its_self_check(monkeypatch):
         checked.append((kernel.name, str(device)))
         return "missed an inf/NaN in torch.float16 gradients"
 
-    monkeypatch.setattr(amp_backends.registry, "kernel_self_check", self_check)
+    monkeypatch.setattr(amp_backends.registry.registry, "kernel_self_check", self_check)
 
     class Plugin:
         @amp_backends.hookimpl

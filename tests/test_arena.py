@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import amp_backends
-from amp_backends.arena import ALIGN_BYTES, flat_grads_of
+from amp_backends.gradients.arena import ALIGN_BYTES, flat_grads_of
 from amp_backends.scaler import GradScaler
 
 pytestmark = pytest.mark.filterwarnings("ignore::amp_backends.PerformanceWarning")
@@ -172,8 +172,8 @@ def test_a_view_kept_by_the_user_keeps_its_values_as_torchs_gradient_would():
 
 
 def test_scaler_does_not_walk_the_gradients(monkeypatch):
-    import amp_backends.arena as arena_module
-    import amp_backends.gradients as gradients
+    import amp_backends.gradients.arena as arena_module
+    import amp_backends.gradients.collect as gradients
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

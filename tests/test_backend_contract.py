@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import amp_backends
 from amp_backends import GradScaler, TorchKernel
-from amp_backends.info import collect, render
+from amp_backends.cli.info import collect, render
 
 
 class StrictKernel(TorchKernel):

@@ -81,7 +81,7 @@ def test_cuda_trajectory_matches_torch(fused):
 
 
 def test_cuda_demo_trains():
-    from amp_backends.demo import DemoConfig, run
+    from amp_backends.cli.demo import DemoConfig, run
 
     out = run(DemoConfig(backend="cuda", epochs=10, progress=False))
     assert out["test_accuracy"] >= 0.95 and out["scaler"]["enabled"] and out["peak_memory_kind"] == "device allocator peak"

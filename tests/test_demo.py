@@ -171,7 +171,7 @@ def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
     def disk_full(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.os, "fsync", disk_full)  # the write fails after the temporary file is half written
+    monkeypatch.setattr(checkpoint.io.os, "fsync", disk_full)  # the write fails after the temporary file is half written
     with pytest.raises(OSError, match="No space left"):
         checkpoint.save(path, {"x": torch.arange(5)}, kind="t")
     monkeypatch.undo()
@@ -238,7 +238,7 @@ def test_bench_table_progress_and_plot(tmp_path):
 def test_bench_list_counts_the_reference_models_parameters():
     proc = cli("bench", "--list")
     assert proc.returncode == 0, proc.stderr
-    from amp_backends.bench_models import REAL_MODELS, param_count
+    from amp_backends.cli.bench_models import REAL_MODELS, param_count
 
     for name, spec in REAL_MODELS.items():
         n = param_count(name)

@@ -17,8 +17,8 @@ from torch import nn
 
 import amp_backends
 from amp_backends import RECIPE, PrecisionPolicy, checkpoint, precision_policy
-from amp_backends import fp8 as fp8_engine
-from amp_backends.fp8 import RECIPES, Fp8UnavailableError
+from amp_backends.precision.fp8 import engine as fp8_engine
+from amp_backends.precision.fp8.engine import RECIPES, Fp8UnavailableError
 
 NO_FP8 = fp8_engine.unavailable_reason()
 needs_torchao = pytest.mark.skipif(NO_FP8 is not None, reason=f"fp8 is unavailable here: {NO_FP8}")
@@ -49,7 +49,7 @@ def test_without_a_usable_torchao_fp8_is_refused_saying_what_to_install():
         error = None
     except amp_backends.AmpBackendsError as exc:
         error = type(exc).__name__ + ": " + str(exc)
-    print(json.dumps({"error": error, "reason": amp_backends.fp8.unavailable_reason()}))
+    print(json.dumps({"error": error, "reason": amp_backends.precision.fp8.engine.unavailable_reason()}))
     """
     out = run_json(code)
     assert out["error"].startswith("Fp8UnavailableError: fp8 training needs torchao, which is not installed")
@@ -473,7 +473,7 @@ def cpu_with_fp8():
 
 @needs_torchao
 def test_the_bench_measures_fp8_through_the_policy_and_torchao_directly(cpu_with_fp8, monkeypatch):
-    from amp_backends import bench, bench_fp8
+    from amp_backends.cli import bench, bench_fp8
 
     monkeypatch.setattr(bench_fp8, "SELECTION", [nn.Linear])  # the toy's layers are below the recipe's sizes
     result = bench.run(cpu_with_fp8, ["mlp"], rounds=2, warmup=0)
@@ -486,7 +486,7 @@ def test_the_bench_measures_fp8_through_the_policy_and_torchao_directly(cpu_with
 
 @needs_torchao
 def test_a_model_the_fp8_recipe_leaves_whole_gets_a_row_saying_so(cpu_with_fp8):
-    from amp_backends import bench
+    from amp_backends.cli import bench
 
     result = bench.run(cpu_with_fp8, ["mlp"], rounds=1, warmup=0)
     rows = {r["mode"]: r for r in result["rows"]}

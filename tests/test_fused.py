@@ -1,5 +1,5 @@
 """Fused optimizers and found_inf: what a device's kernel does is declared or probed
-(amp_backends.fused), and the scaler hands found_inf only to a kernel that honours it. The vendor
+(amp_backends.devices.fused), and the scaler hands found_inf only to a kernel that honours it. The vendor
 simulations do what their real kernels do (op-plugin's Ascend _fused_adamw_ ignores found_inf;
 torch_musa refuses fused Adam and AdamW), checked against torch's own scaler, which trusts them."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import amp_backends
-from amp_backends import fused
+from amp_backends.devices import fused
 from amp_backends.testing import sim_packages_path
 
 from conftest import run_json

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import amp_backends
-from amp_backends import PerformanceWarning, backend, checkpoint, cli, hardware
-from amp_backends.bench import recommend
-from amp_backends.console import ProgressBar, render_table
+from amp_backends import PerformanceWarning, backend, checkpoint, cli
+from amp_backends.devices import hardware
+from amp_backends.cli.bench import recommend
+from amp_backends.cli.console import ProgressBar, render_table
 
 EMULATED = frozenset({"avx", "avx2", "fma3"})  # an AVX2-only x86 CPU (AMD Zen 3, older Intel)
 NATIVE_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
@@ -161,7 +162,7 @@ def test_bench_recommends_only_what_the_rounds_show():
     (1.05, 1.3, "faster"), (0.5, 0.9, "slower"), (0.9, 1.1, "no clear difference"), (1.0, 1.01, "no clear difference"),
 ])
 def test_speed_verdict_needs_the_whole_range_on_one_side(low, high, expected):
-    from amp_backends.bench import verdict
+    from amp_backends.cli.bench import verdict
 
     assert verdict(low, high) == expected
 
@@ -328,7 +329,7 @@ def test_tables_render_aligned_or_as_markdown():
      "0.70x [0.31-1.16 over rounds] (no clear difference on this small model"),
 ])
 def test_demo_speed_line_says_what_the_measurement_can_show(extra, shown):
-    from amp_backends.demo import format_summary
+    from amp_backends.cli.demo import format_summary
 
     result = {"scaler": {"enabled": False, "scale": 1.0, "steps": 1, "skipped": 0, "overflows": 0},
               "native_dtypes": ["bfloat16"], "emulated_dtypes": [], "backend": "cpu", "device": "cpu", "amp": True,
@@ -361,7 +362,7 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
     target = tmp_path / "c.ckpt"
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        live = tmp_path / f".c.ckpt.{checkpoint._HOST}.{other.pid}.abc.tmp"
+        live = tmp_path / f".c.ckpt.{checkpoint.io._HOST}.{other.pid}.abc.tmp"
         live.write_bytes(b"in progress")
         foreign = tmp_path / ".c.ckpt.otherhost.1.abc.tmp"
         foreign.write_bytes(b"another machine's")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from amp_backends import hookspecs
+from amp_backends.registry import hookspecs
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = sorted(name for name, obj in vars(hookspecs).items()

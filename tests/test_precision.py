@@ -385,7 +385,7 @@ def test_check_model_refuses_bad_input():
 
 @pytest.mark.parametrize("name", ["resnet50", "bert-base", "gpt2-small"])
 def test_check_model_on_the_bench_models_at_cpu_scale(name):
-    from amp_backends.check_cli import load_target
+    from amp_backends.cli.check import load_target
 
     model, inputs, loss_fn = load_target(f"bench:{name}", "small")
     report = check_model(model, inputs, "cpu", torch.bfloat16, loss_fn=loss_fn)

@@ -15,7 +15,7 @@ import torch
 
 import amp_backends
 from amp_backends import GradScaler, StateDictError
-from amp_backends.kernels import add_sum_of_squares
+from amp_backends.gradients.kernel import add_sum_of_squares
 from torch.amp.grad_scaler import OptState
 
 

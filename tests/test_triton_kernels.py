@@ -287,5 +287,5 @@ def test_small_groups_go_to_torchs_op_with_the_same_results(dtype, monkeypatch):
     small.check_norm_(checked, found, torch.zeros((), device=DEVICE))
     assert len(launches) == 1, "a norm is always one Triton launch: torch's per-tensor norms cost more"
     monkeypatch.undo()
-    assert amp_backends.kernels.kernel_self_check(small, torch.device(DEVICE)) is None
+    assert amp_backends.gradients.kernel.kernel_self_check(small, torch.device(DEVICE)) is None
     assert small.min_elements == 10**9, "restored after the self-check"

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..backend import Backend
-from ..registry import resolve_backend
-from ..scaler import GradScaler, ScalerStats
+from ..registry.registry import resolve_backend
+from ..scaler.scaler import GradScaler, ScalerStats
 
 __all__ = ["ScalerSignals", "resolve"]
 

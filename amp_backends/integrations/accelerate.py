@@ -32,8 +32,8 @@ except ImportError:  # pragma: no cover - exercised only without Accelerate
 
 from ..backend import Backend
 from ..errors import AmpBackendsError
-from ..registry import resolve_backend
-from ..scaler import GradScaler
+from ..registry.registry import resolve_backend
+from ..scaler.scaler import GradScaler
 
 __all__ = ["prepare"]
 

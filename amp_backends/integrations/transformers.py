@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - exercised only without Transformers
     ) from None
 
 from ..backend import Backend
-from ..scaler import GradScaler
+from ..scaler.scaler import GradScaler
 from .accelerate import prepare
 
 __all__ = ["AmpTrainer"]

@@ -221,7 +221,7 @@ def test_fused_kernels_do_what_the_backend_declares(backend, kind):
     optimizer) is what the backend says (``Backend.fused_found_inf``, else probed). A kernel that steps
     although found_inf was set, declared as honouring it, trains on scaled and overflowed gradients:
     op-plugin's _fused_adamw_ on Ascend does exactly that."""
-    from amp_backends import fused
+    from amp_backends.devices import fused
 
     dev = backend.device()
     opt = _fused_optimizer(kind, [torch.nn.Parameter(torch.ones(4, device=dev))])
@@ -249,7 +249,7 @@ def test_a_skipped_fused_step_leaves_the_weights_alone(backend, kind):
     """Through the scaler, a step with an inf gradient leaves the weights, and the optimizer's state,
     as they were with every fused optimizer kind the device can run, whatever its kernel does with
     found_inf; the next clean step moves them."""
-    from amp_backends import fused
+    from amp_backends.devices import fused
 
     dev = backend.device()
     model = torch.nn.Linear(4, 2).to(dev)

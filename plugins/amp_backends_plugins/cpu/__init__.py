@@ -1,7 +1,7 @@
 """CPU backend: bf16 autocast by default (fp16 too), torch's CPU unscale kernel, Gloo.
 
 Which of them run natively depends on the CPU (AVX512-BF16/AMX on x86, BF16 on aarch64):
-see :mod:`amp_backends.hardware`.
+see :mod:`amp_backends.devices.hardware`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from amp_backends import Backend, hookimpl
-from amp_backends.fused import HONOURS
-from amp_backends.hardware import cpu_native_dtypes, cpu_summary, missing_cpu_features
+from amp_backends.devices.fused import HONOURS
+from amp_backends.devices.hardware import cpu_native_dtypes, cpu_summary, missing_cpu_features
 
 
 class CPUBackend(Backend):

@@ -13,7 +13,7 @@ import os
 import torch
 
 from amp_backends import Backend, hookimpl
-from amp_backends.fused import HONOURS
+from amp_backends.devices.fused import HONOURS
 
 
 class CUDABackend(Backend):
@@ -96,7 +96,7 @@ class CUDABackend(Backend):
     def fp8_recipes(self) -> tuple[str, ...]:
         """All three on NVIDIA (torch's rowwise kernels exist for sm89, sm9x and sm10x); on ROCm,
         rowwise through hipBLASLt from torch 2.6 (pytorch#144432), tensorwise before."""
-        from amp_backends.fp8 import RECIPES
+        from amp_backends.precision.fp8.engine import RECIPES
 
         if not self.fp8_dtypes():
             return ()

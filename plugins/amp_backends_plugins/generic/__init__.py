@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from amp_backends import Backend, hookimpl
-from amp_backends.accelerator import (
+from amp_backends.devices.accelerator import (
     ACCELERATOR_API,
     autocast_dtypes,
     current_accelerator_type,

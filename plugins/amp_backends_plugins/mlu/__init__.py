@@ -13,7 +13,7 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
-from amp_backends.fused import HONOURS
+from amp_backends.devices.fused import HONOURS
 
 
 class MLUBackend(ExtensionBackend):

@@ -13,7 +13,7 @@ only with a new torch: unscaling zeroing finite float16/bfloat16 gradients (fixe
 probed once here (those gradients then go through float32 copies); and fused Adam ignoring
 ``found_inf`` (fixed by PR 186360), or, when fused Adam came to mps, asserting that
 ``grad_scale`` and ``found_inf`` are None: mps declares no fused kernel, so each kind is probed
-once on the device (:mod:`amp_backends.fused`) and a kernel that ignores or refuses found_inf is
+once on the device (:mod:`amp_backends.devices.fused`) and a kernel that ignores or refuses found_inf is
 skipped from the host.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from amp_backends import Backend, hookimpl
-from amp_backends.accelerator import autocast_dtypes
+from amp_backends.devices.accelerator import autocast_dtypes
 from amp_backends.errors import UnsupportedDtypeError
 
 __all__ = ["MPSBackend", "SCALER_TORCH"]

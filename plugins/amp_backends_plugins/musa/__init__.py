@@ -16,7 +16,7 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
-from amp_backends.fused import HONOURS, REFUSED
+from amp_backends.devices.fused import HONOURS, REFUSED
 
 
 class MUSABackend(ExtensionBackend):

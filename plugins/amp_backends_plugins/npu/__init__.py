@@ -28,7 +28,7 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
-from amp_backends.fused import ABSENT, HONOURS, IGNORES
+from amp_backends.devices.fused import ABSENT, HONOURS, IGNORES
 
 
 class NPUBackend(ExtensionBackend):

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from amp_backends import Kernel, hookimpl
-from amp_backends.flat import FlatGroup
-from amp_backends.kernels import TORCH_KERNEL
+from amp_backends.gradients.groups import FlatGroup
+from amp_backends.gradients.kernel import TORCH_KERNEL
 
 #: Device types Triton compiles for.
 TRITON_DEVICE_TYPES = ("cuda", "xpu")

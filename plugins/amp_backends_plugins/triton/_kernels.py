@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from amp_backends.flat import FlatGroup
-from amp_backends.kernels import TORCH_KERNEL, add_sum_of_squares, through_float32
+from amp_backends.gradients.groups import FlatGroup
+from amp_backends.gradients.kernel import TORCH_KERNEL, add_sum_of_squares, through_float32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: Elements per program: big enough to stream on a GPU, small in the interpreter so tests span blocks.

@@ -1,0 +1,197 @@
+"""What :func:`~amp_backends.check_model` found: per-module rows and model-wide figures, as a summary,
+a table and JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..tracing.opcount import NonFinite
+
+__all__ = ["FP16_MAX", "FP16_TINY", "ModelReport", "ModuleRow"]
+
+FP16_MAX = 65504.0
+#: float16's smallest subnormal: a smaller magnitude becomes 0 in fp16.
+FP16_TINY = 2.0**-24
+
+
+def pow2(x: float) -> str:
+    """``2**k`` for a power of two, else the number."""
+    import math
+
+    k = math.log2(x) if x > 0 else math.nan
+    return f"2**{int(k)}" if k == int(k) else f"{x:g}"
+
+
+@dataclass
+class ModuleRow:
+    """What one module did (its own ops, not its children's)."""
+
+    name: str
+    type: str
+    #: "float16", "bfloat16", "float32", or "-" where the module ran no matmul-like op itself
+    compute: str = "-"
+    flops: int = 0
+    low_flops: int = 0
+    #: the dtypes its backward matmuls ran in (input and weight gradients), "-" where none ran
+    backward_compute: str = "-"
+    backward_flops: int = 0
+    #: why it stayed in float32 ("precision policy", "autocast: float32 op", "float32 input") or None
+    fp32_reason: str | None = None
+    #: shapes of low-precision matmuls/convolutions off the 8-multiple fast path, e.g. "mm 30x100x7"
+    misaligned: list[str] = field(default_factory=list)
+    misaligned_flops: int = 0
+    output_dtype: str | None = None
+    #: elements above fp16's range: in the parameters, the outputs, the gradients
+    params_over: int = 0
+    outputs_over: int = 0
+    grads_over: int = 0
+    #: gradient elements of its own parameters lost to float16 at the loss scale checked (zero there,
+    #: not in float32)
+    grads_underflow: int = 0
+    #: gradient elements that came out inf/NaN at the loss scale checked
+    grads_nonfinite: int = 0
+    grad_norm: float | None = None
+    #: relative error against the float32 run: ||low - fp32|| / ||fp32|| of its outputs and gradients
+    output_error: float | None = None
+    grad_error: float | None = None
+    #: for Linear layers: "fp8 (tensorwise)" where a policy trains it in fp8, else "eligible" or why it
+    #: cannot run in fp8; None for other modules
+    fp8: str | None = None
+    fp8_flops: int = 0
+
+    @property
+    def precision(self) -> str:
+        return self.compute if self.compute != "-" else (self.output_dtype or "-")
+
+
+@dataclass
+class ModelReport:
+    """The result of :func:`check_model`: per-module rows and model-wide figures."""
+
+    backend: str
+    dtype: str
+    loss_scale: float
+    rows: list[ModuleRow]
+    total_flops: int
+    low_flops: int
+    misaligned_flops: int
+    #: the loss scales (powers of two) that lose the fewest gradient values without inf/NaN, measured;
+    #: None where no scale works (or float16 is not the dtype)
+    safe_scales: tuple[float, float] | None
+    grad_norm: float
+    params_over: int
+    grads_over: int
+    grads_underflow: int
+    outputs_over: int
+    grads_nonfinite: int = 0
+    backward_flops: int = 0
+    #: per scale tried: (gradient elements inf/NaN, gradient elements lost to underflow)
+    scales: dict[float, tuple[int, int]] = field(default_factory=dict)
+    #: scaled backward passes the measurement ran (its cost)
+    backwards_run: int = 0
+    #: no loss scale can save this model in float16 (its forward, or its backward at scale 1, overflows)
+    beyond_scaling: bool = False
+    #: forward matmul FLOPs of the layers trained in fp8 (not counted in ``low_flops``)
+    fp8_flops: int = 0
+    first_nonfinite_forward: NonFinite | None = None
+    first_nonfinite_backward: NonFinite | None = None
+    #: the module that ran the forward's last matmul-like op (the head, where one exists)
+    head: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fp32_layers(self) -> list[ModuleRow]:
+        return [r for r in self.rows if r.fp32_reason]
+
+    @property
+    def misaligned_layers(self) -> list[ModuleRow]:
+        return [r for r in self.rows if r.misaligned]
+
+    @property
+    def summary(self) -> str:
+        if not self.total_flops:
+            parts = ["no matmul or convolution ran: nothing for autocast to lower"]
+        else:
+            parts = [f"{100.0 * self.low_flops / self.total_flops:.0f}% of matmul FLOPs in {self.dtype}"]
+            if self.fp8_flops:
+                emulated = " (emulated)" if any(r.fp8 and "emulated" in r.fp8 for r in self.rows) else ""
+                parts = [f"{100.0 * self.fp8_flops / self.total_flops:.0f}% of matmul FLOPs in fp8{emulated}, "
+                         f"{100.0 * self.low_flops / self.total_flops:.0f}% in {self.dtype}"]
+        fp32 = self.fp32_layers
+        if fp32:
+            parts.append(f"{len(fp32)} layer{'s' if len(fp32) != 1 else ''} in float32 "
+                         f"({', '.join(map(_label, fp32[:4]))}{', ...' if len(fp32) > 4 else ''})")
+        off = self.misaligned_layers
+        if off:
+            pct = 100.0 * self.misaligned_flops / self.total_flops if self.total_flops else 0.0
+            shown = ", ".join(f"{_label(r)} {r.misaligned[0]}" for r in off[:3])
+            parts.append(f"{len(off)} layer{'s' if len(off) != 1 else ''} off Tensor-Core shapes "
+                         f"({pct:.1f}% of FLOPs): {shown}{', ...' if len(off) > 3 else ''}")
+        if self.first_nonfinite_forward is not None:
+            parts.append(f"inf/NaN first in the {self.first_nonfinite_forward}")
+        if self.first_nonfinite_backward is not None and self.first_nonfinite_forward is None:
+            parts.append(f"at scale {self.loss_scale:g}, inf/NaN first in the {self.first_nonfinite_backward}")
+        if self.dtype == "float16":
+            if self.beyond_scaling:
+                parts.append("no loss scale can save this model in float16: it overflows "
+                             + ("in its forward" if self.first_nonfinite_forward else "even at scale 1")
+                             + " (keep that layer in float32 with a precision policy, or use bfloat16)")
+            else:
+                if self.grads_nonfinite:
+                    parts.append(f"the backward overflows at scale {self.loss_scale:g} ({self.grads_nonfinite} "
+                                 "inf/NaN gradient values): the scaler would skip and back off")
+                if self.grads_underflow:
+                    parts.append(f"{self.grads_underflow} gradient values lost to float16 at scale {self.loss_scale:g}")
+                if self.safe_scales:
+                    lo, hi = self.safe_scales
+                    parts.append(f"best loss scales {pow2(lo)}..{pow2(hi)} (measured: {self.backwards_run} scaled "
+                                 "backward passes)")
+            if self.grads_over or self.params_over or self.outputs_over:
+                parts.append(f"values over fp16's 65504: {self.params_over} in parameters, {self.outputs_over} in "
+                             f"outputs, {self.grads_over} in gradients")
+        if self.grad_norm == self.grad_norm:  # not NaN
+            parts.append(f"gradient norm {self.grad_norm:.4g}")
+        parts += self.notes
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["scales"] = {str(k): list(v) for k, v in self.scales.items()}
+        for key in ("first_nonfinite_forward", "first_nonfinite_backward"):
+            value = getattr(self, key)
+            out[key] = None if value is None else {**asdict(value), "text": str(value)}
+        out["summary"] = self.summary
+        return out
+
+    def table(self) -> str:
+        """The per-module table the CLI prints (modules that ran something or were flagged)."""
+        from ..cli.console import render_table
+
+        shown = [r for r in self.rows if r.compute != "-" or r.backward_compute != "-" or r.fp32_reason
+                 or r.misaligned or r.grads_underflow or r.params_over or r.grads_over or r.outputs_over
+                 or r.grads_nonfinite]
+        rows = [[_label(r), r.type, r.precision, r.backward_compute,
+                 f"{(r.flops + r.backward_flops) / 1e6:.2f}", r.fp32_reason or "",
+                 "; ".join(r.misaligned[:2]) + (" ..." if len(r.misaligned) > 2 else ""),
+                 _count(r.grads_underflow), _count(r.params_over + r.outputs_over + r.grads_over + r.grads_nonfinite),
+                 _err(r.output_error), _err(r.grad_error), "" if r.grad_norm is None else f"{r.grad_norm:.3g}",
+                 r.fp8 or ""]
+                for r in shown]
+        head = ["module", "type", "forward", "backward", "MFLOPs", "float32 because", "off fast path",
+                "grad lost", "over 65504 / inf", "out err", "grad err", "grad norm", "fp8"]
+        return render_table(head, rows)
+
+
+def _label(row: ModuleRow) -> str:
+    return row.name or "(model)"
+
+
+def _count(n: int) -> str:
+    return str(n) if n else ""
+
+
+def _err(x: float | None) -> str:
+    return "" if x is None else f"{x:.2e}"
+
+

@@ -1,0 +1,17 @@
+"""Per-layer precision: modules kept in float32 inside autocast, Linear layers trained in fp8.
+
+    handle = amp_backends.precision_policy(model, fp32=[torch.nn.BatchNorm2d, "head"])
+
+Owns the policy (:mod:`.policy`), the selectors and the recipe (:mod:`.selectors`), the float32
+forward wrapper (:mod:`.fp32_forward`), fp8 (:mod:`.fp8`) and the module wrapper that enters
+autocast in the thread it runs in (:mod:`.autocast_module`).
+
+May import: :mod:`amp_backends.backend`, :mod:`amp_backends.registry`, :mod:`amp_backends.tracing`,
+:mod:`amp_backends.devices`, :mod:`amp_backends.errors`.
+"""
+
+from __future__ import annotations
+
+from .policy import NORM_TYPES, OP_MODULES, RECIPE, PrecisionPolicy, Selector, fp32_modules, precision_policy
+
+__all__ = ["NORM_TYPES", "OP_MODULES", "RECIPE", "PrecisionPolicy", "Selector", "fp32_modules", "precision_policy"]

@@ -1,0 +1,283 @@
+"""fp8 training for chosen ``nn.Linear`` layers, with torchao's float8 training as the engine.
+
+A precision policy's ``fp8=`` selects the layers; this module says which of them can run in fp8 and
+why not, converts them (``torchao.float8``'s ``Float8Linear``, through :meth:`Backend.fp8_linear`,
+which a vendor plugin may fill with its own fp8 layer) and restores them. The parameters stay the
+same objects, so an optimizer built before or after keeps training them (with ``fp8_all_gather``
+each weight is wrapped for FSDP2: build the optimizer after), and ``state_dict`` keys never change:
+a checkpoint moves between fp8 and bf16 runs.
+
+Precedence, per module: float32 (a policy's ``fp32=``) beats fp8, which beats the autocast dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...backend import FP8_RECIPES, Backend
+from ...errors import AmpBackendsError, first_line
+
+__all__ = ["FP8_HARDWARE", "RECIPES", "Fp8UnavailableError", "eligibility", "engine", "unavailable_reason"]
+
+#: torchao's float8 training recipes (see :data:`amp_backends.backend.FP8_RECIPES`).
+RECIPES = FP8_RECIPES
+#: The hardware whose matmuls take fp8 (torch._scaled_mm).
+FP8_HARDWARE = ("NVIDIA GPUs of compute capability 8.9 and newer (Ada: L4, L40S, RTX 40xx; Hopper: H100, H200; "
+                "Blackwell) and AMD Instinct MI300 and MI350 (gfx942, gfx950)")
+#: fp8 matmuls need both dimensions of the weight to be multiples of this.
+FP8_ALIGN = 16
+#: Where torchao's measured break-even lies (H100, torchao's performance tables): below it a layer's
+#: casts cost more than its fp8 matmul gains. (out_features N, in_features K) -> too small.
+_TOO_SMALL = {
+    "tensorwise": (lambda n, k: k <= 4096 and n <= 1024, "K <= 4096 and N <= 1024"),
+    "rowwise": (lambda n, k: n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048),
+                "N <= 2048, K <= 1024, or N <= 4096 and K <= 2048"),
+}
+_TOO_SMALL["rowwise_with_gw_hp"] = _TOO_SMALL["rowwise"]
+TESTED = "torch 2.13 with torchao 0.18"
+
+
+class Fp8UnavailableError(AmpBackendsError, RuntimeError):
+    """fp8 cannot run here: no engine (torchao), or a device without fp8 matmuls."""
+
+
+_ENGINE: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    """torchao logs a warning per compiled extension it cannot load on this machine (sm90, mxfp8
+    kernels on a CPU machine); the Python float8 path needs none of them."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def engine() -> Any:
+    """``torchao.float8``, imported once; Fp8UnavailableError saying what to install where it
+    is missing or does not work with this torch."""
+    if "module" in _ENGINE:
+        return _ENGINE["module"]
+    if "error" in _ENGINE:
+        raise Fp8UnavailableError(_ENGINE["error"])
+    try:
+        with _quiet_import():
+            import torchao.float8 as float8
+    except ImportError as exc:
+        _ENGINE["error"] = (
+            "fp8 training needs torchao, which is not installed: pip install 'amp-backends[fp8]' (or torchao "
+            f"built for torch {torch.__version__.split('+')[0]}; tested: {TESTED})" if torchao_version() is None else
+            _mismatch(exc))
+        raise Fp8UnavailableError(_ENGINE["error"]) from None
+    except Exception as exc:  # noqa: BLE001 - a torchao built for another torch fails in many ways
+        _ENGINE["error"] = _mismatch(exc)
+        raise Fp8UnavailableError(_ENGINE["error"]) from None
+    _ENGINE["module"] = float8
+    return float8
+
+
+def torchao_version() -> str | None:
+    """The installed torchao's version (found without importing it; "?" where its metadata is
+    missing), or None where it is not installed."""
+    import importlib.util
+    from importlib import metadata
+
+    try:
+        if importlib.util.find_spec("torchao") is None:
+            return None
+    except (ImportError, ValueError):  # None in sys.modules, or a broken half-import
+        return None
+    try:
+        return metadata.version("torchao")
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def _mismatch(exc: BaseException) -> str:
+    version = torchao_version()
+    ao = f"torchao {version}" if version not in (None, "?") else "the installed torchao"
+    return (f"fp8 training is unavailable: {ao} does not work with torch {torch.__version__} "
+            f"({type(exc).__name__}: {first_line(exc)[:160]}); install the torchao release made for this torch "
+            f"(tested: {TESTED}), or upgrade torch")
+
+
+def unavailable_reason() -> str | None:
+    """Why fp8 cannot run in this environment (no usable torchao), or None."""
+    try:
+        engine()
+    except Fp8UnavailableError as exc:
+        return str(exc)
+    return None
+
+
+def check_recipe(recipe: Any) -> str:
+    if not isinstance(recipe, str) or recipe not in RECIPES:
+        raise ValueError(f"precision_policy(fp8_recipe=...) takes one of {', '.join(map(repr, RECIPES))}, "
+                         f"got {recipe!r}")
+    return recipe
+
+
+def check_device(be: Backend, recipe: str, emulate: bool) -> None:
+    """Refuse fp8 where the backend's device has no fp8 matmul (unless emulated), or not this recipe."""
+    if emulate:
+        return
+    where = be.describe() or f"the {be.device_type!r} device"
+    if not be.fp8_dtypes():
+        raise Fp8UnavailableError(
+            f"backend {be.name!r} ({where}) has no fp8 matmul: fp8 training runs on {FP8_HARDWARE}. "
+            "emulate=True runs fp8's numerics with high-precision matmuls, for tests only (slower than bf16)")
+    if recipe not in be.fp8_recipes():
+        raise Fp8UnavailableError(
+            f"backend {be.name!r} ({where}) runs the fp8 recipes {', '.join(map(repr, be.fp8_recipes()))}, not "
+            f"{recipe!r}: choose one of those")
+
+
+def check_all_gather(recipe: str, all_gather: bool) -> None:
+    """fp8 all-gather (FSDP2) exists for the tensorwise recipe only (torchao's restriction)."""
+    if all_gather and recipe != "tensorwise":
+        raise ValueError(f"precision_policy: fp8_all_gather=True needs fp8_recipe='tensorwise' (torchao all-gathers "
+                         f"tensorwise-scaled weights only), got {recipe!r}: use tensorwise, or fp8_all_gather=False")
+
+
+def config(recipe: str, emulate: bool, all_gather: bool = False) -> Any:
+    """torchao's ``Float8LinearConfig`` for ``recipe``, emulated or not, with FSDP2's fp8 all-gather
+    (``enable_fsdp_float8_all_gather``) or not."""
+    import dataclasses
+
+    made = engine().Float8LinearConfig.from_recipe_name(recipe)
+    if emulate or all_gather:
+        made = dataclasses.replace(made, emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
+    return made
+
+
+def plain_weight(tensor: Any) -> Any:
+    """The tensor inside torchao's fp8 all-gather wrapper (``WeightWithDynamicFloat8CastTensor``, the
+    weight of a layer converted with ``fp8_all_gather=True``); anything else as it is."""
+    inner = getattr(tensor, "_tensor", None)
+    if inner is None or "module" not in _ENGINE:
+        return tensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return inner if isinstance(tensor, WeightWithDynamicFloat8CastTensor) else tensor
+
+
+def eligibility(module: nn.Module) -> str | None:
+    """Why ``module`` cannot run in fp8 (None: it can)."""
+    from ..fp32_forward import Fp32Forward
+
+    if not isinstance(module, nn.Linear):
+        return f"not an nn.Linear ({type(module).__name__}): fp8 training converts Linear layers"
+    if is_fp8(module):
+        return "already in fp8"
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, Fp32Forward) and wrapper.holders:
+        return "float32 by a precision policy (float32 beats fp8)"
+    if wrapper is not None:
+        return "its forward is replaced on the instance (a hook or wrapper), which converting it would drop"
+    n, k = module.weight.shape
+    if n % FP8_ALIGN or k % FP8_ALIGN:
+        return f"in_features={k}, out_features={n}: fp8 matmuls need both to be multiples of {FP8_ALIGN}"
+    return None
+
+
+def too_small(module: nn.Linear, recipe: str) -> str | None:
+    """Why the recipe leaves ``module`` in the autocast dtype for speed (torchao's measured thresholds)."""
+    n, k = module.weight.shape
+    rule, said = _TOO_SMALL[recipe]
+    return (f"N={n}, K={k}: below torchao's measured break-even for {recipe} ({said}; H100 tables)"
+            if rule(n, k) else None)
+
+
+def is_fp8(module: nn.Module) -> bool:
+    """Whether ``module`` is an fp8 layer (torchao's, or a vendor's that says so with ``is_fp8 = True``)."""
+    if getattr(type(module), "is_fp8", False):
+        return True
+    float8 = _ENGINE.get("module")
+    return float8 is not None and isinstance(module, float8.float8_linear.Float8Linear)
+
+
+def linear_order(model: nn.Module, example_inputs: Any, names: Sequence[str]) -> list[str]:
+    """``names`` (Linear layers) in the order the forward runs them (the model run once, untouched),
+    else in registration order."""
+    if example_inputs is None:
+        return list(names)
+    from ...tracing.isolation import call_args, untouched
+
+    wanted = {id(model.get_submodule(n)): n for n in names}
+    ran: list[str] = []
+    handles = [model.get_submodule(n).register_forward_pre_hook(
+        lambda m, a: ran.append(wanted[id(m)]) if wanted[id(m)] not in ran else None) for n in names]
+    args, kwargs = call_args(example_inputs)
+    device = next((t.device.type for t in model.parameters()), "cpu")
+    try:
+        with untouched(model, device), torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return ran + [n for n in names if n not in ran]
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def share_hooks(source: nn.Module, target: nn.Module) -> None:
+    """``target`` gets ``source``'s hook dictionaries themselves: a hook registered on either, before
+    or after, runs on whichever module is in the model."""
+    for attr in _HOOK_DICTS:
+        if attr in source.__dict__:
+            setattr(target, attr, source.__dict__[attr])
+    target.train(source.training)
+
+
+def places(model: nn.Module, module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every (parent, attribute) holding ``module`` (a shared module has several)."""
+    return [(parent, child_name) for parent in model.modules() for child_name, child in parent._modules.items()
+            if child is module]
+
+
+def swap(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for parent, attr in places(model, old):
+        setattr(parent, attr, new)
+
+
+def describe_layer(module: nn.Module) -> str:
+    """"tensorwise", "rowwise, emulated": how an fp8 layer a policy installed trains."""
+    recipe = getattr(module, "fp8_recipe", None) or "fp8"
+    emulated = bool(getattr(getattr(module, "config", None), "emulate", False))
+    return f"{recipe}, emulated" if emulated else recipe
+
+
+@contextlib.contextmanager
+def as_linear(model: nn.Module) -> Iterator[None]:
+    """Within the block every fp8 layer of ``model`` is a plain ``nn.Linear`` holding the same
+    parameters (a float32 reference run); afterwards the model holds its fp8 layers again."""
+    layers = [m for m in model.modules() if is_fp8(m) and hasattr(m, "weight")]
+    swapped = []
+    try:
+        for layer in layers:
+            plain = nn.Linear.__new__(nn.Linear)
+            nn.Module.__init__(plain)
+            plain.in_features, plain.out_features = layer.weight.shape[1], layer.weight.shape[0]
+            plain.weight, plain.bias = layer.weight, getattr(layer, "bias", None)
+            plain.train(layer.training)
+            swap(model, layer, plain)
+            swapped.append((layer, plain))
+        yield
+    finally:
+        for layer, plain in swapped:
+            swap(model, plain, layer)

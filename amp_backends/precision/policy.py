@@ -1,0 +1,283 @@
+"""Per-module precision: chosen modules run in float32 inside any backend's autocast.
+
+    handle = amp_backends.precision_policy(model, fp32=[torch.nn.BatchNorm2d, "head", "*.norm*"])
+    with be.autocast():
+        loss = loss_fn(model(x), y)     # BatchNorm2d layers, "head" and the norms run in float32
+    handle.remove()                     # the model is exactly as before
+
+Inside autocast a selected module runs with autocast off for the device types that are active,
+its floating inputs (and its own float16/bfloat16 weights) cast to float32; outside autocast nothing
+changes. Only compute precision changes: weights stay in the model's dtype, and ``state_dict`` keys
+are untouched (the module's ``forward`` is wrapped on the instance, not the module replaced). What
+the recipes ask for is the preset :data:`RECIPE`: normalisation layers and the final classifier / LM
+head in float32. Policies compose: several may select the same module, and any order of
+:meth:`PrecisionPolicy.remove` leaves exactly the remaining ones' selection.
+
+``fp8=`` selects Linear layers to train in fp8 (torchao's float8 training, :mod:`amp_backends.precision.fp8.engine`);
+per module, float32 beats fp8, which beats the autocast dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .fp32_forward import Fp32Forward, hold_eager_backward, release_eager_backward
+from .fp8.convert import Fp8Conversion, convert
+from .selectors import NORM_TYPES, RECIPE, Selector, check_selectors, recipe_head, select
+
+if TYPE_CHECKING:
+    from ..backend import Backend
+
+__all__ = ["NORM_TYPES", "OP_MODULES", "RECIPE", "PrecisionPolicy", "Selector", "fp32_modules", "precision_policy"]
+
+#: The modules that run an op a backend may declare float32-only (``Backend.fp32_ops``).
+OP_MODULES: dict[str, tuple[type, ...]] = {
+    "binary_cross_entropy": (nn.BCELoss,),
+    "batch_norm": (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
+    "layer_norm": (nn.LayerNorm,),
+    "group_norm": (nn.GroupNorm,),
+    "instance_norm": (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d),
+    "softmax": (nn.Softmax,),
+    "log_softmax": (nn.LogSoftmax,),
+    "cross_entropy": (nn.CrossEntropyLoss,),
+    "nll_loss": (nn.NLLLoss,),
+    "mse_loss": (nn.MSELoss,),
+    "embedding": (nn.Embedding,),
+}
+
+
+@dataclass
+class PrecisionPolicy:
+    """The modules a :func:`precision_policy` runs in float32; :meth:`remove` undoes it."""
+
+    model: nn.Module
+    _held: dict[str, tuple[nn.Module, Fp32Forward]] = field(default_factory=dict, repr=False)
+    _reasons: dict[str, str] = field(default_factory=dict, repr=False)
+    #: modules a selector picked that a policy cannot run in float32 this way, with why
+    skipped: dict[str, str] = field(default_factory=dict)
+    #: how the recipe found the head ("" without the recipe)
+    head_found_by: str = ""
+    _fp8: Fp8Conversion | None = field(default=None, repr=False)
+    _hold: int | None = field(default=None, repr=False)
+    _removed: bool = field(default=False, repr=False)
+
+    @property
+    def fp8(self) -> dict[str, str]:
+        """Qualified name -> why it trains in fp8, for the Linear layers converted and still in place."""
+        return self._fp8.converted if self._fp8 is not None else {}
+
+    @property
+    def fp8_skipped(self) -> dict[str, str]:
+        """Layers ``fp8=`` picked that stay in float32 or the autocast dtype, with why."""
+        return dict(self._fp8.skipped) if self._fp8 is not None else {}
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """The fp8 recipe ("tensorwise", "rowwise", "rowwise_with_gw_hp"), None without ``fp8=``."""
+        return self._fp8.recipe if self._fp8 is not None else None
+
+    @property
+    def selected(self) -> dict[str, str]:
+        """Qualified name -> why it runs in float32 ("BatchNorm2d", "pattern 'head'", "recipe: ..."),
+        for the modules still at those names (a module replaced since is no longer run by the policy)."""
+        return {name: why for name, why in self._reasons.items() if self._in_place(name)}
+
+    @property
+    def replaced(self) -> list[str]:
+        """Names whose module was replaced after the policy: the new module is not in float32."""
+        return [name for name in self._reasons if not self._in_place(name)]
+
+    def _in_place(self, name: str) -> bool:
+        module, _ = self._held.get(name, (None, None))
+        try:
+            return module is not None and self.model.get_submodule(name) is module
+        except AttributeError:
+            return False
+
+    def remove(self) -> None:
+        """Undo this policy: each module it selected runs as it would without it. A module another
+        policy still selects stays in float32; one that nothing selects any more gets its ``forward``
+        back exactly as it was (or, where something wrapped it since, a wrapper that passes through).
+        Each fp8 layer is replaced by its original Linear, holding the trained parameters."""
+        if self._fp8 is not None:
+            self._fp8.restore()
+        for module, wrapper in self._held.values():
+            wrapper.holders.pop(id(self), None)
+            if not wrapper.holders and module.__dict__.get("forward") is wrapper:
+                if wrapper.previous is None:
+                    del module.__dict__["forward"]
+                else:
+                    module.forward = wrapper.previous
+        self._held.clear()
+        if self._hold is not None:
+            release_eager_backward(self._hold)
+            self._hold = None
+        self._removed = True
+
+    @property
+    def active(self) -> bool:
+        return bool(self._held) or bool(self.fp8)
+
+    def __enter__(self) -> PrecisionPolicy:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        names = ", ".join(self.selected) or "none"
+        low = f"; fp8 ({self.fp8_recipe}): {', '.join(self.fp8) or 'none'}" if self._fp8 is not None else ""
+        return f"<PrecisionPolicy fp32: {names}{low}{' (removed)' if self._removed else ''}>"
+
+
+def _autocast_here(device_type: Any) -> bool:
+    try:
+        return isinstance(device_type, str) and torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # not a device string torch can parse
+        return False
+
+
+def _device_types(device_types: Any) -> tuple[str, ...]:
+    if isinstance(device_types, str):
+        device_types = (device_types,)
+    try:
+        types = tuple(device_types)
+    except TypeError:
+        raise TypeError(f"precision_policy(device_types=...) takes a device type or a list of them, "
+                        f"got {type(device_types).__name__}") from None
+    for t in types:
+        if not _autocast_here(t):
+            known = [d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mlu", "npu", "musa")
+                     if _autocast_here(d)]
+            raise ValueError(f"precision_policy(device_types=...): {t!r} is not a device type with autocast here; "
+                             f"use device types such as {', '.join(map(repr, known))}")
+    return types
+
+
+def _backend_ops(backend: Any) -> list[tuple[str, tuple[type, ...]]]:
+    from ..registry.registry import resolve_backend
+
+    be = resolve_backend(backend)
+    note = be.fp32_note()
+    if note:
+        warnings.warn(f"precision_policy: the modules it selects run with autocast off, but {note}",
+                      RuntimeWarning, stacklevel=3)
+    ops = be.fp32_ops
+    extra = []
+    for op in ((ops,) if isinstance(ops, str) else tuple(ops or ())):
+        if op not in OP_MODULES:
+            raise ValueError(f"backend {be.name!r} declares fp32 op {op!r}, which no module is known to run; "
+                             f"known: {', '.join(sorted(OP_MODULES))}")
+        extra.append((f"backend {be.name!r}: {op} in float32", OP_MODULES[op]))
+    return extra
+
+
+def precision_policy(
+    model: nn.Module,
+    fp32: Selector | Sequence[Selector] = (RECIPE,),
+    *,
+    fp8: Selector | Sequence[Selector] | None = None,
+    fp8_recipe: str = "tensorwise",
+    emulate: bool = False,
+    fp8_all_gather: bool = False,
+    backend: Any = None,
+    device_types: str | Sequence[str] = (),
+    example_inputs: Any = None,
+) -> PrecisionPolicy:
+    """Run the modules ``fp32`` selects in float32 inside autocast, and train the Linear layers ``fp8``
+    selects in fp8; returns a handle to remove both.
+
+    ``fp32``: module classes, qualified-name patterns (fnmatch; wrapper prefixes such as DDP's
+    ``module.`` and torch.compile's ``_orig_mod.`` are ignored), module instances, predicates
+    ``(name, module) -> bool``, or :data:`RECIPE` (the default: normalisation layers and the head,
+    found by running the model on ``example_inputs`` where given, else the last ``nn.Linear``
+    registered). ``backend`` (a name or Backend): its declared ``fp32_ops`` select the modules running
+    them too. Autocast is switched off for the device types of a module's inputs that have it enabled,
+    and for ``device_types`` (for modules without tensor inputs).
+
+    ``fp8``: the same kinds of selectors, for Linear layers (:data:`RECIPE`: every Linear but the
+    first and last the model runs, the head, and those below torchao's break-even), trained with
+    ``fp8_recipe`` (:data:`amp_backends.precision.fp8.engine.RECIPES`) on the backend's device, which must have fp8
+    matmuls (``emulate=True``: fp8's numerics with high-precision matmuls, for tests). A layer that
+    cannot run in fp8, or that ``fp32`` selects, is left with the reason (``fp8_skipped``).
+    ``fp8_all_gather=True`` (tensorwise only; convert before ``fully_shard``, build the optimizer
+    after): FSDP2 all-gathers those layers' weights in fp8, half the bytes of bf16.
+
+    Anything that cannot work is refused before anything changes: a selector matching nothing, a
+    predicate that raises, fp8 on a device without it or without torchao."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"precision_policy takes a torch.nn.Module, got {type(model).__name__}")
+    selectors = check_selectors(fp32)
+    types = _device_types(device_types)
+    fp8_selectors, fp8_backend = _fp8_args(fp8, fp8_recipe, emulate, backend, fp8_all_gather)
+    extra = _backend_ops(backend) if backend is not None else []
+    head, how = (None, "")
+    if RECIPE in selectors or RECIPE in (fp8_selectors or ()):
+        head, how = recipe_head(model, example_inputs)
+        if head is None and example_inputs is not None:
+            warnings.warn(f"precision_policy: the recipe's head is not selected: {how}", RuntimeWarning, stacklevel=2)
+    chosen, skipped = select(model, selectors, head=head if RECIPE in selectors else None, extra=extra)
+    _refuse_fp8_layers(chosen)
+    policy = PrecisionPolicy(model, skipped=skipped, head_found_by=how)
+    if fp8_selectors is not None and fp8_backend is not None:
+        policy._fp8 = convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
+                              backend=fp8_backend, float32={id(m) for m, _ in chosen.values()},
+                              head=head, example_inputs=example_inputs, all_gather=bool(fp8_all_gather))
+    for name, (module, reason) in chosen.items():
+        wrapper = module.__dict__.get("forward")
+        if not isinstance(wrapper, Fp32Forward):  # else another policy's: held by this one too
+            wrapper = module.forward = Fp32Forward(module, module.__dict__.get("forward"))
+        wrapper.holders[id(policy)] = types
+        policy._held[name] = (module, wrapper)
+        policy._reasons[name] = reason
+    if chosen:
+        policy._hold = hold_eager_backward(model)
+    return policy
+
+
+def _fp8_args(fp8: Any, recipe: Any, emulate: Any, backend: Any,
+              all_gather: Any) -> tuple[list[Selector], Backend] | tuple[None, None]:
+    """``fp8``'s selectors and the backend they train on, checked with the recipe, the device and the
+    engine (torchao); (None, None) without fp8."""
+    from .fp8 import engine
+    from ..scaler.validation import flag
+
+    emulate = flag("emulate", emulate)
+    all_gather = flag("fp8_all_gather", all_gather)
+    if fp8 is None:
+        if emulate or all_gather or recipe != "tensorwise":
+            raise ValueError("precision_policy: fp8_recipe, emulate and fp8_all_gather apply to the layers fp8= "
+                             "selects; pass fp8=[...] (e.g. fp8=[torch.nn.Linear] or fp8=amp_backends.RECIPE)")
+        return None, None
+    selectors = check_selectors(fp8, "fp8")
+    engine.check_recipe(recipe)
+    engine.check_all_gather(recipe, all_gather)
+    from ..registry.registry import resolve_backend
+
+    be = resolve_backend(backend)
+    engine.check_device(be, recipe, emulate)
+    engine.engine()
+    return selectors, be
+
+
+def _refuse_fp8_layers(chosen: dict[str, tuple[nn.Module, str]]) -> None:
+    from .fp8.engine import is_fp8
+
+    layers = [name for name, (module, _) in chosen.items() if is_fp8(module)]
+    if layers:
+        raise ValueError(f"precision_policy(fp32=...): {', '.join(map(repr, layers))} trains in fp8 by another "
+                         "policy; float32 beats fp8, so remove() that policy first, or leave the layer out (nothing "
+                         "changed)")
+
+
+def fp32_modules(model: nn.Module) -> list[str]:
+    """The qualified names of the modules a policy runs in float32 (as installed now)."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m.__dict__.get("forward"), Fp32Forward) and m.__dict__["forward"].holders]
+

@@ -1,0 +1,15 @@
+"""The GradScaler: torch's ``torch.amp.GradScaler`` with the backend's gradient op.
+
+Owns the scaler (:mod:`.scaler`), the plan each optimizer's step follows (:mod:`.plans`), clipping
+(:mod:`.clipping`), the counters (:mod:`.telemetry`), argument checks (:mod:`.validation`) and
+agreement across ranks (:mod:`.consensus`).
+
+May import: :mod:`amp_backends.registry`, :mod:`amp_backends.gradients.collect`, :mod:`amp_backends.devices`,
+:mod:`amp_backends.eager`, :mod:`amp_backends.errors`.
+"""
+
+from __future__ import annotations
+
+from .scaler import GradScaler, ScalerStats
+
+__all__ = ["GradScaler", "ScalerStats"]
