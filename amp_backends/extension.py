@@ -3,6 +3,13 @@
 
 from __future__ import annotations
 
-from .devices.extension import ExtensionBackend
+from .backend import Backend
+from .devices.extension import ExtensionDevice
 
 __all__ = ["ExtensionBackend"]
+
+
+class ExtensionBackend(ExtensionDevice, Backend):
+    """A backend whose device comes from a PyTorch extension on the PrivateUse1 key: declare the
+    extension's import name, install hint, visible-device variables and device tool
+    (:class:`~amp_backends.devices.extension.ExtensionDevice`)."""

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import amp_backends
 from amp_backends import Backend, UnsupportedDtypeError
+from amp_backends.testing import grad_op_
 
 LOW = [torch.bfloat16, torch.float16]
 
@@ -101,7 +102,7 @@ def test_unscale_and_check_mixed_dtypes_and_layouts(cpu, where, value):
         target[tuple(int(i) for i in idx)] = value
     expected = _reference(grads, 0.25)
     found = torch.zeros(())
-    cpu.unscale_and_check_(grads, found, torch.tensor(0.25))
+    grad_op_(cpu, grads, found, torch.tensor(0.25))
     assert found.item() == (0.0 if where == "none" else 1.0)
     for got, want in zip(grads, expected):
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -111,7 +112,7 @@ def test_unscale_and_check_mixed_dtypes_and_layouts(cpu, where, value):
 def test_unscale_updates_views_in_place(cpu):
     base = torch.full((6, 6), 8.0)
     view = base[::2, 1:4]
-    cpu.unscale_and_check_([view, base.t()[0]], torch.zeros(()), torch.tensor(0.5))
+    grad_op_(cpu, [view, base.t()[0]], torch.zeros(()), torch.tensor(0.5))
     assert base[0, 1].item() == 4.0 and base[2, 3].item() == 4.0  # inside the strided view
     assert base[1, 1].item() == 8.0 and base[0, 4].item() == 8.0  # outside it: untouched
     assert base[5, 0].item() == 4.0  # base.t()[0] is column 0
@@ -121,10 +122,10 @@ def test_check_is_read_only_and_finds_inf(cpu):
     grads = _case_grads([torch.float32, torch.float16, torch.bfloat16, torch.float32])
     before = [g.clone() for g in grads]
     found = torch.zeros(())
-    cpu.check_(grads, found)
+    grad_op_(cpu, grads, found)
     assert found.item() == 0.0
     grads[2][0, 0] = math.nan
-    cpu.check_(grads, found)
+    grad_op_(cpu, grads, found)
     assert found.item() == 1.0
     for g, b in zip(grads[:2], before[:2]):
         assert torch.equal(g, b)
@@ -135,20 +136,34 @@ def test_unscale_check_norm_matches_float64_norm(cpu):
     expected = torch.linalg.vector_norm(torch.cat([(g.double() * 0.5).flatten() for g in grads]))
     norm_sq = torch.zeros(())
     found = torch.zeros(())
-    cpu.unscale_check_norm_(grads, found, torch.tensor(0.5), norm_sq)
+    grad_op_(cpu, grads, found, torch.tensor(0.5), norm_sq)
     assert found.item() == 0.0
     torch.testing.assert_close(norm_sq.sqrt().double(), expected, rtol=2e-3, atol=0)
 
 
 class MinimalVendor(Backend):
-    """A vendor backend as the docs promise: four attributes and is_available()."""
+    """A vendor backend as the docs promise: three attributes and unavailable_reason()."""
 
     name = "minimal"
     device_type = "cpu"
     default_dtype = torch.bfloat16
 
+    def unavailable_reason(self) -> str | None:
+        return None
+
+
+class OlderVendor(Backend):
+    """A plugin written against the older contract: is_available() alone."""
+
+    name = "older"
+    device_type = "cpu"
+    default_dtype = torch.bfloat16
+
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
     def is_available(self) -> bool:
-        return True
+        return self.answer  # type: ignore[return-value]
 
 
 def test_minimal_vendor_backend_gets_working_defaults():
@@ -160,9 +175,15 @@ def test_minimal_vendor_backend_gets_working_defaults():
         assert (x @ x).dtype == torch.bfloat16
     grads = [torch.tensor([2.0, math.inf])]
     found = torch.zeros(())
-    be.unscale_and_check_(grads, found, torch.tensor(0.5))
+    grad_op_(be, grads, found, torch.tensor(0.5))
     assert found.item() == 1.0 and grads[0][0].item() == 1.0
     assert be.kernel.name == "torch"
     assert not be.grad_scaler().is_enabled(), "bf16 needs no scaling"
-    with pytest.raises(NotImplementedError, match="must implement is_available"):
+    with pytest.raises(NotImplementedError, match="must implement unavailable_reason"):
         Backend().is_available()
+
+
+def test_the_one_availability_probe_also_answers_for_an_older_plugins_is_available():
+    assert OlderVendor(True).unavailable_reason() is None and OlderVendor(True).is_available()
+    assert OlderVendor(False).unavailable_reason() == "OlderVendor.is_available() returned False"
+    assert "returned int 1, not True or False" in OlderVendor(1).unavailable_reason()

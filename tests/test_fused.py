@@ -150,8 +150,8 @@ def test_the_probe_runs_once_per_class_and_defaults():
     fused.probe, saved = counting, fused.probe
     try:
         for _ in range(3):
-            be.fused_kernel(_opt(torch.optim.Adam))
-        be.fused_kernel(torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], lr=0.5, fused=True))
+            fused.kernel_of(be, _opt(torch.optim.Adam))
+        fused.kernel_of(be, torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], lr=0.5, fused=True))
     finally:
         fused.probe = saved
     assert calls == [torch.optim.Adam, torch.optim.Adam], "cached per class and defaults"

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import amp_backends
-from amp_backends import PerformanceWarning, backend, checkpoint, cli
-from amp_backends.devices import hardware
+from amp_backends import PerformanceWarning, checkpoint, cli
+from amp_backends.devices import contract as dtypes, hardware
 from amp_backends.cli.bench import recommend
-from amp_backends.cli.console import ProgressBar, render_table
+from amp_backends.console import ProgressBar, render_table
 
 EMULATED = frozenset({"avx", "avx2", "fma3"})  # an AVX2-only x86 CPU (AMD Zen 3, older Intel)
 NATIVE_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
@@ -42,9 +42,9 @@ def fake_cpu(monkeypatch):
         monkeypatch.setattr(hardware, "_arch", lambda: "x86")
         # autocast() validates a dtype once per backend instance: the hardware does not change
         # under a running process, except here
-        amp_backends.get("cpu").__dict__.pop("_autocast_dtype_cache", None)
+        amp_backends.get("cpu").__dict__.pop("_autocast_dtypes", None)
 
-    monkeypatch.setattr(backend, "_WARNED_EMULATED", set())
+    monkeypatch.setattr(dtypes, "_WARNED_EMULATED", set())
     return use
 
 

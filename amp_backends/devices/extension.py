@@ -1,4 +1,4 @@
-"""The base of backends whose device comes from a PyTorch extension on the PrivateUse1 key.
+"""The base of devices that come from a PyTorch extension on the PrivateUse1 key.
 
 Cambricon ``torch_mlu``, Huawei ``torch_npu`` and Moore Threads ``torch_musa`` each rename
 PrivateUse1 to their device and register ``torch.<device>`` as its device module, so
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ..backend import Backend
+from .contract import Device
 
-__all__ = ["ExtensionBackend"]
+__all__ = ["ExtensionDevice"]
 
 
 def _find_spec(name: str) -> object | None:
@@ -35,8 +35,9 @@ def _find_spec(name: str) -> object | None:
         return None
 
 
-class ExtensionBackend(Backend):
-    """A device registered by a PyTorch extension as PrivateUse1 (``torch.<device_type>``)."""
+class ExtensionDevice(Device):
+    """A device registered by a PyTorch extension as PrivateUse1 (``torch.<device_type>``); vendors
+    subclass :class:`amp_backends.extension.ExtensionBackend`, which is one."""
 
     #: The extension's import name, e.g. ``"torch_npu"``.
     extension: str = ""
@@ -99,9 +100,6 @@ class ExtensionBackend(Backend):
             return (f"no {self.name.upper()} device visible: torch.{self.device_type}.device_count() is 0"
                     f"{' (' + hint + ')' if hint else ''}{tool}")
         return None
-
-    def is_available(self) -> bool:
-        return self.unavailable_reason() is None
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         """fp16, and bf16 where the chip runs it (the extension's ``is_bf16_supported``): the

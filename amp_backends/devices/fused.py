@@ -4,22 +4,28 @@ torch's fused optimizers (``Adam/AdamW/SGD(fused=True)``) take the scale and the
 are meant to unscale and skip on the device. Whether a device's kernel does is a fact about that
 device's extension, not about torch: op-plugin's Ascend ``_fused_adamw_`` accepts both and reads
 neither; torch_musa refuses fused Adam and AdamW outright; an older MPS fused Adam asserted both
-were None. A backend declares what it knows per kind of optimizer (:attr:`Backend.fused_found_inf`),
-and what it does not declare is probed once on the device (:func:`probe`). The scaler hands
-``found_inf`` only to a kernel that honours it, and skips every other step itself.
+were None. A device declares what it knows per kind of optimizer (:attr:`Device.fused_found_inf`),
+and what it does not declare is probed once on the device (:func:`probe`); :func:`kernel_of` answers
+for one optimizer. The scaler hands ``found_inf`` only to a kernel that honours it, and skips every
+other step itself.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import first_line
 
-__all__ = ["ABSENT", "HONOURS", "IGNORES", "REFUSED", "REJECTS", "STATUSES", "FusedKernel", "kind_of", "probe"]
+if TYPE_CHECKING:
+    from .contract import Device
+
+__all__ = ["ABSENT", "HONOURS", "IGNORES", "REFUSED", "REJECTS", "STATUSES", "FusedKernel", "forget", "kernel_of",
+           "kind_of", "probe"]
 
 #: The kernel skips the step when handed found_inf = 1 (torch's own kernels, torch_mlu's).
 HONOURS = "honours"
@@ -47,6 +53,39 @@ class FusedKernel:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"a fused kernel's status is one of {', '.join(STATUSES)}, got {self.status!r}")
+
+
+#: What the probe found, per device, keyed by (optimizer class, defaults): asked once per process.
+_PROBED: weakref.WeakKeyDictionary[Any, dict[Any, FusedKernel]] = weakref.WeakKeyDictionary()
+
+
+def kernel_of(device: Device, optimizer: torch.optim.Optimizer) -> FusedKernel:
+    """What ``optimizer``'s fused kernel does on ``device``: as the device declares it
+    (:attr:`~.contract.Device.fused_found_inf`), else probed once on the device (cached per class and
+    defaults). An optimizer whose ``step`` takes ``grad_scaler=`` (torch_mlu's FusedLAMBAMP) checks
+    found_inf itself."""
+    if not device.fused_steps_honour_found_inf:
+        return FusedKernel(IGNORES, f"backend {device.name!r}: fused_steps_honour_found_inf = False")
+    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        return FusedKernel(HONOURS, "its step(grad_scaler=) checks found_inf itself")
+    kind = kind_of(optimizer)
+    declared = (device.fused_found_inf or {}).get(kind)
+    if declared is not None:
+        status, note = (declared, "declared") if isinstance(declared, str) else declared
+        return FusedKernel(status, f"backend {device.name!r}: {note}")
+    try:
+        cache = _PROBED.setdefault(device, {})
+    except TypeError:  # a device that cannot be weakly referenced: probed each time
+        cache = {}
+    key = (type(optimizer), repr(sorted(optimizer.defaults.items())))
+    if key not in cache:
+        cache[key] = probe(optimizer, device.device())
+    return cache[key]
+
+
+def forget(device: Device) -> None:
+    """Forget what was probed on ``device`` (``amp_backends.reprobe()``)."""
+    _PROBED.pop(device, None)
 
 
 def kind_of(optimizer: torch.optim.Optimizer) -> str:

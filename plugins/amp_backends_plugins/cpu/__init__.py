@@ -25,8 +25,8 @@ class CPUBackend(Backend):
     fused_found_inf = {kind: (HONOURS, "torch's CPU fused kernels skip when found_inf is 1")
                        for kind in ("adam", "adamw", "sgd")}
 
-    def is_available(self) -> bool:
-        return True
+    def unavailable_reason(self) -> str | None:
+        return None  # every machine has a CPU
 
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         return (torch.bfloat16, torch.float16)

@@ -35,9 +35,6 @@ class CUDABackend(Backend):
     fused_found_inf = {kind: (HONOURS, "torch's CUDA fused kernels skip when found_inf is 1")
                        for kind in ("adam", "adamw", "sgd")}
 
-    def is_available(self) -> bool:
-        return self.unavailable_reason() is None
-
     def unavailable_reason(self) -> str | None:
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
             return (

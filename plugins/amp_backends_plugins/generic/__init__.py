@@ -61,9 +61,6 @@ class AcceleratorBackend(Backend):
             self._probed["reason"] = self._find_reason()
         return self._probed["reason"]
 
-    def is_available(self) -> bool:
-        return self.unavailable_reason() is None
-
     def _find_reason(self) -> str | None:
         dev = self.device_type
         if self._api_missing:

@@ -78,9 +78,6 @@ class MPSBackend(Backend):
             return f"torch {torch.__version__}'s autocast on mps accepts neither float16 nor bfloat16"
         return None
 
-    def is_available(self) -> bool:
-        return self.unavailable_reason() is None
-
     def _accepted(self) -> tuple[torch.dtype, ...]:
         """The dtypes torch.autocast("mps") takes in this torch, bf16 only from macOS 14."""
         if "accepted" not in self._probed:

@@ -55,9 +55,6 @@ class XPUBackend(Backend):
             return f"no Intel GPU visible: torch.xpu.device_count() is 0{hint}; check the driver with xpu-smi"
         return None
 
-    def is_available(self) -> bool:
-        return self.unavailable_reason() is None
-
     def _bf16(self, emulation: bool) -> bool:
         query = getattr(_module(), "is_bf16_supported", None)
         if not callable(query):

@@ -2,7 +2,7 @@
 
 For a real device: set ``device_type`` to the name your PyTorch extension registers
 (``torch.utils.rename_privateuse1_backend("acme")``), import that extension inside
-``is_available`` (never at module import), and say why it is unavailable.
+``unavailable_reason`` (never at module import), and say why it is unavailable.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ class AcmeBackend(amp_backends.Backend):
     # real device 100, and keep a backend that runs on the CPU below 0 so that cpu stays the choice.
     priority = -10
 
-    def is_available(self) -> bool:
-        return self.unavailable_reason() is None
-
     def unavailable_reason(self) -> str | None:
+        # the one availability probe: None where the device can be used, else why not
         # e.g.: if importlib.util.find_spec("torch_acme") is None: return "torch_acme is not installed"
         return None
 

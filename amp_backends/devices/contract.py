@@ -1,0 +1,290 @@
+"""The device contract: what a device declares so that mixed precision runs on it.
+
+A :class:`Device` is a record of facts (class attributes a plugin sets: dtypes, the limits of its
+unscale op, its collective library, what its fused optimizer kernels do) and one availability probe,
+:meth:`Device.unavailable_reason`. Everything else has a torch-generic default; optional capabilities
+(a device-wide overflow status, a vendor fp8 layer, a description for ``info``) are implemented only
+by the plugins that need them. The work that uses these facts lives elsewhere: the gradient op in
+:mod:`amp_backends.gradients`, the scaler's policy in :mod:`amp_backends.scaler`. Vendors subclass
+:class:`amp_backends.Backend`, which is a Device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import PerformanceWarning, UnsupportedDtypeError
+from . import accelerator
+
+__all__ = ["FP8_RECIPES", "Device", "dtype_name"]
+
+#: torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``): per-tensor dynamic
+#: scaling (fastest), per-row scaling with power-of-two scales, and per-row with the weight gradient
+#: kept in high precision (most accurate).
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+class Device:
+    """What a device is, for mixed precision. Declare the facts; implement :meth:`unavailable_reason`.
+
+    A device that already works with ``torch.autocast(device_type)`` and torch's own unscale op needs
+    only ``name``, ``device_type``, ``default_dtype`` and :meth:`unavailable_reason`.
+    """
+
+    # -- identity -------------------------------------------------------------------------
+    #: Registry key, e.g. ``"cuda"``.
+    name: str = ""
+    #: The torch device type tensors live on, e.g. ``"cuda"``.
+    device_type: str = ""
+    #: Autocast dtype used when none is given.
+    default_dtype: torch.dtype = torch.float16
+    #: Automatic choice picks the available backend with the highest priority.
+    priority: int = 50
+    #: The torch release the device extension was built for, e.g. ``"2.4.0"``; ``info`` warns on
+    #: a mismatch with the running torch.
+    built_for_torch: str | None = None
+
+    # -- the collective library -----------------------------------------------------------
+    #: ``torch.distributed`` process-group backend that reduces this device's tensors ("" where none
+    #: can: ``init_process_group`` then refuses, naming :attr:`dist_install_hint`).
+    dist_backend: str = "gloo"
+    #: What to install for a process-group backend where :attr:`dist_backend` is "".
+    dist_install_hint: str = ""
+
+    # -- the device's unscale op (the executor applies these limits, with torch's results) --
+    #: Gradient dtypes the device's unscale/check op accepts (None: every dtype). Gradients of
+    #: other dtypes go through a float32 copy, with the results of torch's op (which computes
+    #: in float32 too). torch_mlu's op and CUDA's (reused by torch_musa) take float32 and float16.
+    unscale_dtypes: tuple[torch.dtype, ...] | None = None
+    #: Most elements one tensor may have in the device's op (torch_mlu: 2**31 - 1); larger
+    #: gradients are handed over in slices. None: no limit.
+    max_tensor_elements: int | None = None
+    #: False where the device has no float64: the scaler computes 1/scale in float32.
+    has_fp64: bool = True
+    #: True where overflow comes from a device-wide status register (torch_npu on chips without
+    #: inf/NaN mode): :meth:`on_scale` clears it once per iteration, before the first backward;
+    #: the op reads it instead of inspecting the tensors, and the scaler keeps what it read for every
+    #: optimizer of the iteration and agrees on it across ranks. A device that sets it implements
+    #: ``clear_overflow_status()`` and ``read_overflow_status_(found_inf)`` (see :meth:`on_scale`).
+    global_overflow_status: bool = False
+
+    # -- autocast, fused optimizers, checkpoints -------------------------------------------
+    #: Ops that must run in float32 under this device's autocast beyond torch's lists (names from
+    #: :data:`amp_backends.precision.OP_MODULES`, e.g. ``"binary_cross_entropy"``): a precision
+    #: policy built with this backend runs the modules calling them in float32.
+    fp32_ops: tuple[str, ...] = ()
+    #: What the device's fused optimizer kernels (``Adam/AdamW/SGD(fused=True)``) do with the
+    #: scaler's ``grad_scale`` and ``found_inf``, per kind (``"adam"``, ``"adamw"``, ``"sgd"``,
+    #: ``"adagrad"``, or a vendor optimizer's qualified class name): a status of
+    #: :mod:`amp_backends.devices.fused` or ``(status, "the source it is known from")``. A kind not
+    #: declared is probed once on the device; None probes every kind.
+    fused_found_inf: Mapping[str, str | tuple[str, str]] | None = None
+    #: False: every fused kernel of the device ignores found_inf (older form of the declaration above).
+    fused_steps_honour_found_inf: bool = True
+    #: Whether the scaler's ``state_dict`` carries ``"dynamic"``: torch_npu's scaler requires the key
+    #: to load a checkpoint (``npu/amp/grad_scaler.py``), torch's ignores it.
+    state_dict_dynamic: bool = False
+
+    # -- availability: the one probe ----------------------------------------------------------
+    def unavailable_reason(self) -> str | None:
+        """Why the device cannot be used here, precisely (not installed; installed but failing to
+        import, with the error; no device visible, naming the variable that decides), or None when it
+        can. The one availability probe: implement it (the registry runs it once, with a timeout)."""
+        if type(self).is_available is not Device.is_available:  # an older plugin implementing is_available()
+            ok = self.is_available()
+            if not isinstance(ok, bool):
+                return f"{type(self).__name__}.is_available() returned {type(ok).__name__} {ok!r}, not True or False"
+            return None if ok else f"{type(self).__name__}.is_available() returned False"
+        raise NotImplementedError(f"{type(self).__name__} must implement unavailable_reason() (None where the "
+                                  "device can be used, else why not)")
+
+    def is_available(self) -> bool:
+        """Whether the device can be used on this machine (:meth:`unavailable_reason` is None)."""
+        return self.unavailable_reason() is None
+
+    # -- optional facts for info and the precision policy ---------------------------------
+    def describe(self) -> str | None:
+        """What the device is, in one line for ``info`` (model, runtime version), or None."""
+        return None
+
+    def fp32_note(self) -> str | None:
+        """Where float32 compute on this device may not be float32 (Ascend's precision mode), what
+        runs instead and the way to keep float32; None where float32 is float32."""
+        return None
+
+    # -- dtypes and autocast ----------------------------------------------------------------
+    def supported_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Autocast dtypes this device supports, the default first."""
+        dtypes = [self.default_dtype]
+        module = getattr(torch, self.device_type, None)
+        query = getattr(module, "get_amp_supported_dtype", None)
+        if callable(query):  # autocast dtypes only: torch_npu's list includes float32
+            dtypes += [d for d in query() if d in (torch.float16, torch.bfloat16) and d not in dtypes]
+        return tuple(dtypes)
+
+    def native_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The supported autocast dtypes whose math the device runs natively (default: all).
+
+        A dtype that is supported but not native works, emulated, and is usually slower
+        than float32: entering autocast in it warns with :class:`PerformanceWarning`.
+        """
+        return self.supported_dtypes()
+
+    def emulation_reason(self, dtype: torch.dtype) -> str:
+        """What the device lacks for ``dtype`` to be native (shown in the warning and ``info``)."""
+        return f"backend {self.name!r} reports no native {dtype_name(dtype)} math on this device"
+
+    def warn_if_emulated(self, dtype: torch.dtype, enabled: bool = True) -> None:
+        """Warn once per process (per backend and dtype) when ``dtype`` runs emulated here."""
+        warn_if_emulated(self, dtype, enabled)
+
+    def resolve_dtype(self, dtype: torch.dtype | str | None = None) -> torch.dtype:
+        """Return ``dtype`` (or the default) after checking the backend supports it."""
+        return resolve_dtype(self, dtype)
+
+    def autocast(self, dtype: torch.dtype | str | None = None, enabled: bool = True,
+                 cache_enabled: bool | None = None) -> torch.autocast:
+        """Autocast for this device; a context manager that also works as a decorator.
+
+        Warns once (:class:`PerformanceWarning`) when the dtype is emulated on this device.
+        """
+        memo = self.__dict__.setdefault("_autocast_dtypes", {})
+        try:
+            resolved = memo.get(dtype) if enabled else None
+        except TypeError:  # unhashable: certainly no dtype; resolve_dtype says what is wrong
+            resolved = None
+        if resolved is None:
+            resolved = self.resolve_dtype(dtype)
+            self.warn_if_emulated(resolved, enabled)
+            if enabled:  # validated (and warned about) once: a training step asks again every time
+                memo[dtype] = resolved  # hashable: resolve_dtype took it
+        return torch.autocast(self.device_type, dtype=resolved, enabled=enabled, cache_enabled=cache_enabled)
+
+    # -- fp8 (declare; a precision policy's fp8= uses it) ----------------------------------
+    def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The fp8 dtypes the device's matmuls take natively (``torch._scaled_mm`` or the vendor's own),
+        e.g. ``(torch.float8_e4m3fn, torch.float8_e5m2)``; () where it has none (the default)."""
+        return ()
+
+    def fp8_recipes(self) -> tuple[str, ...]:
+        """The fp8 training recipes (:data:`FP8_RECIPES`) the device runs: all of them
+        where it has fp8 matmuls, else none."""
+        return FP8_RECIPES if self.fp8_dtypes() else ()
+
+    def fp8_linear(self, linear: torch.nn.Linear, config: Any) -> torch.nn.Module | None:
+        """A vendor's own fp8 layer replacing ``linear`` (``config``: torchao's ``Float8LinearConfig``),
+        or None (the default) for torchao's ``Float8Linear``. A vendor layer must keep ``linear``'s
+        parameter objects under the same names (``weight``, ``bias``) and set ``is_fp8 = True`` on its
+        class."""
+        return None
+
+    # -- an iteration's start ---------------------------------------------------------------
+    def on_scale(self, scaler: Any) -> None:
+        """Run by the first ``GradScaler.scale()`` of an iteration (after construction or
+        ``update()``), before any backward of it; clears the overflow status where the device
+        keeps one (:attr:`global_overflow_status`). Later ``scale()`` calls of the same iteration
+        (gradient accumulation, several losses) do not run it: an overflow in an early
+        micro-batch must survive until the step reads it."""
+        if self.global_overflow_status:
+            self.clear_overflow_status()  # type: ignore[attr-defined]
+
+    # -- the device -------------------------------------------------------------------------
+    def device(self, index: int | None = None) -> torch.device:
+        """The torch device for ``index`` (the current one when None)."""
+        return torch.device(self.device_type) if index is None else torch.device(self.device_type, index)
+
+    def _device_module(self) -> Any:
+        return getattr(torch, self.device_type, None)
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on the device (its module's call, else ``torch.accelerator``)."""
+        sync = getattr(self._device_module(), "synchronize", None)
+        if callable(sync):
+            sync()
+        else:
+            accelerator.synchronize(self.device_type)
+
+    def max_memory_allocated(self) -> int | None:
+        """Peak bytes allocated since the last reset, or None where the device does not track it."""
+        query = getattr(self._device_module(), "max_memory_allocated", None)
+        if callable(query):
+            return int(query())
+        found, value = accelerator.memory_call(self.device_type, "max_memory_allocated")
+        return int(value) if found else None  # type: ignore[call-overload]
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak-memory measurement, where the device tracks one."""
+        reset = getattr(self._device_module(), "reset_peak_memory_stats", None)
+        if callable(reset):
+            reset()
+        else:
+            accelerator.memory_call(self.device_type, "reset_peak_memory_stats")
+
+    #: Instance attributes (dicts) where a device keeps what it asked the device once;
+    #: :meth:`forget_probes` empties them. A device with caches of its own names them here.
+    probe_caches: tuple[str, ...] = ("_probed", "_autocast_dtypes")
+
+    def forget_probes(self) -> None:
+        """Forget what was asked of the device (``amp_backends.reprobe()`` calls it on every backend)."""
+        for attr in self.probe_caches:
+            cache = self.__dict__.get(attr)
+            if isinstance(cache, dict):
+                cache.clear()
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} name={self.name!r} device_type={self.device_type!r} "
+                f"default_dtype={dtype_name(self.default_dtype)}>")
+
+
+#: (backend name, dtype) pairs already warned about: once per process each.
+_WARNED_EMULATED: set[tuple[str, torch.dtype]] = set()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def resolve_dtype(device: Device, dtype: torch.dtype | str | None) -> torch.dtype:
+    """``dtype`` (or the device's default) after checking the device supports it."""
+    if dtype is None:
+        return device.default_dtype
+    supported = device.supported_dtypes()
+    names = ", ".join(dtype_name(d) for d in supported)
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.replace("torch.", ""), None)
+        if not isinstance(resolved, torch.dtype):
+            raise UnsupportedDtypeError(f"{dtype!r} is not a torch dtype; backend {device.name!r} supports: {names}")
+        dtype = resolved
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedDtypeError(
+            f"dtype must be a torch dtype or None, got {type(dtype).__name__} {dtype!r}; "
+            f"backend {device.name!r} supports: {names}"
+        )
+    if dtype not in supported:
+        raise UnsupportedDtypeError(
+            f"backend {device.name!r} does not support autocast dtype {dtype_name(dtype)}; "
+            f"supported: {names}. Pass one of those, or dtype=None for the default "
+            f"({dtype_name(device.default_dtype)})."
+        )
+    return dtype
+
+
+def warn_if_emulated(device: Device, dtype: torch.dtype, enabled: bool = True) -> None:
+    """Warn once per process (per device name and dtype) when ``dtype`` runs emulated on ``device``."""
+    if not enabled or (device.name, dtype) in _WARNED_EMULATED or dtype in device.native_dtypes():
+        return
+    _WARNED_EMULATED.add((device.name, dtype))
+    name = dtype_name(dtype)
+    warnings.warn(
+        f"{name} autocast on {device.name} is emulated: {device.emulation_reason(dtype)}. Matrix math in "
+        f"{name} will run slower than float32 here (often many times slower); activation memory is still "
+        f"about halved. To train faster, use float32 (autocast(enabled=False), `amp-backends demo --no-amp`) "
+        f"or a dtype this device runs natively ({', '.join(map(dtype_name, device.native_dtypes())) or 'none'}). "
+        "Silence with warnings.filterwarnings('ignore', category=amp_backends.PerformanceWarning).",
+        PerformanceWarning,
+        stacklevel=4,
+    )
