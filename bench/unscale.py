@@ -102,8 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import triton
 
+    from amp_backends.gradients.groups import TensorGroup
     from amp_backends.gradients.kernel import TORCH_KERNEL
     from amp_backends_plugins.triton import TritonKernel
+
+    def op(kernel, tensors, found_inf, inv_scale=None, norm_sq=None):  # the kernel's one op on one list
+        kernel.grad_op_(TensorGroup(tensors[0].device, tensors[0].dtype, list(tensors)), found_inf, inv_scale, norm_sq)
 
     ours = TritonKernel()
     torch_op = TORCH_KERNEL
@@ -131,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. unscale + check on one big gradient: % of copy bandwidth
     buf = [src]
-    t_ours = measure(lambda buf=buf: ours.unscale_and_check_(buf, found(), inv))
-    t_ref = measure(lambda buf=buf: torch_op.unscale_and_check_(buf, found(), inv))
+    t_ours = measure(lambda buf=buf: op(ours, buf, found(), inv))
+    t_ref = measure(lambda buf=buf: op(torch_op, buf, found(), inv))
     label = "1 GiB" if not args.smoke else f"{nbytes >> 10} KiB"
     rows.append({"case": f"unscale+check {label} fp32", "ours_ms": t_ours * 1e3, "torch_ms": t_ref * 1e3,
                  "speedup": t_ref / t_ours, "GB/s": 2 * nbytes / t_ours / 1e9, "pct_of_copy": 100 * (2 * nbytes / t_ours) / copy_bw})
@@ -160,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         group = arena.groups[0]
         views = group.views()
         n_bytes = sum(t.numel() for t in views) * views[0].element_size()
-        t_ours = measure(lambda group=group: ours.flat_op_(group, found(), inv, None))
-        t_ref = anchor(lambda views=views: torch_op.unscale_and_check_(views, found(), inv), t_ours)
+        t_ours = measure(lambda group=group: ours.grad_op_(group, found(), inv))
+        t_ref = anchor(lambda views=views: op(torch_op, views, found(), inv), t_ours)
         rows.append({"case": f"arena unscale+check GPT-2 {str(dtype)[6:]}", "ours_ms": t_ours * 1e3,
                      **t_ref, "GB/s": 2 * n_bytes / t_ours / 1e9, "pct_of_copy": 100 * (2 * n_bytes / t_ours) / copy_bw})
         total = sum(t.numel() for t in src_grads)
@@ -172,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             packed.append(base[at:at + t.numel()].view(t.shape))
             packed[-1].copy_(t)
             at += t.numel()
-        t_ours = measure(lambda packed=packed: ours.unscale_and_check_(packed, found(), inv))
-        t_ref = anchor(lambda packed=packed: torch_op.unscale_and_check_(packed, found(), inv), t_ours)
+        t_ours = measure(lambda packed=packed: op(ours, packed, found(), inv))
+        t_ref = anchor(lambda packed=packed: op(torch_op, packed, found(), inv), t_ours)
         rows.append({"case": f"misaligned unscale+check GPT-2 {str(dtype)[6:]}", "ours_ms": t_ours * 1e3,
                      **t_ref, "GB/s": 2 * n_bytes / t_ours / 1e9, "pct_of_copy": 100 * (2 * n_bytes / t_ours) / copy_bw})
         del params, arena, group, views, raw, base, packed, src_grads
@@ -181,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         g = grads(gpt2, dtype, device, seed=1)
         n_bytes = sum(t.numel() for t in g) * g[0].element_size()
-        t_ours = measure(lambda g=g: ours.unscale_and_check_(g, found(), inv))
-        t_ref = anchor(lambda g=g: torch_op.unscale_and_check_(g, found(), inv), t_ours)
+        t_ours = measure(lambda g=g: op(ours, g, found(), inv))
+        t_ref = anchor(lambda g=g: op(torch_op, g, found(), inv), t_ours)
         rows.append({"case": f"unscale+check GPT-2 small {str(dtype)[6:]}", "ours_ms": t_ours * 1e3,
                      **t_ref, "GB/s": 2 * n_bytes / t_ours / 1e9})
 
@@ -194,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def ours_clip() -> None:
         norm_sq = torch.zeros((), device=dev)
-        ours.unscale_check_norm_(g, found(), inv, norm_sq)
+        op(ours, g, found(), inv, norm_sq)
         coef = torch.clamp(1e9 / (norm_sq.sqrt() + 1e-6), max=1.0)  # max_norm high: the data stays the same
         torch._foreach_mul_(g, coef)
 
     def torch_clip() -> None:
-        torch_op.unscale_and_check_(g, found(), inv)
+        op(torch_op, g, found(), inv)
         torch.nn.utils.clip_grad_norm_(params, 1e9, foreach=True)
 
     t_ours, t_ref = measure(ours_clip), measure(torch_clip)
@@ -207,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                  "speedup": t_ref / t_ours})
 
     # 4. read-only check (fused optimizers) against torch's dummy unscale
-    t_ours = measure(lambda: ours.check_(g, found()))
-    t_ref = measure(lambda: torch_op.unscale_and_check_(g, found(), one))
+    t_ours = measure(lambda: op(ours, g, found()))
+    t_ref = measure(lambda: op(torch_op, g, found(), one))
     n_bytes = sum(t.numel() for t in g) * 4
     rows.append({"case": "read-only check GPT-2 small fp32", "ours_ms": t_ours * 1e3, "torch_ms": t_ref * 1e3,
                  "speedup": t_ref / t_ours, "GB/s": n_bytes / t_ours / 1e9})
@@ -216,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     # 5. host time per call with many small tensors
     s = grads(small, torch.float32, device, seed=3)
     calls = 3 if args.smoke else 200
-    h_ours = host_time(lambda: ours.unscale_and_check_(s, found(), inv), device, calls)
-    h_ref = host_time(lambda: torch_op.unscale_and_check_(s, found(), inv), device, calls)
+    h_ours = host_time(lambda: op(ours, s, found(), inv), device, calls)
+    h_ref = host_time(lambda: op(torch_op, s, found(), inv), device, calls)
     rows.append({"case": f"host time, {len(s)} small tensors", "ours_ms": h_ours * 1e3, "torch_ms": h_ref * 1e3,
                  "speedup": h_ref / h_ours, "ours_us": h_ours * 1e6})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import pickle
 import warnings
@@ -40,7 +41,7 @@ def _model(seed=0, dtype=torch.float32):
 
 def _backend(kernel):
     be = copy.copy(amp_backends.get("cpu"))
-    be._kernel = kernel
+    be.kernel = kernel
     return be
 
 
@@ -174,6 +175,7 @@ def test_a_view_kept_by_the_user_keeps_its_values_as_torchs_gradient_would():
 def test_scaler_does_not_walk_the_gradients(monkeypatch):
     import amp_backends.gradients.arena as arena_module
     import amp_backends.gradients.collect as gradients
+    from amp_backends.gradients import executor
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -183,9 +185,8 @@ def test_scaler_does_not_walk_the_gradients(monkeypatch):
     walks = []
     monkeypatch.setattr(gradients, "walk", lambda *a: walks.append(a) or [])
     monkeypatch.setattr(arena_module.FlatGrads, "_resync", lambda self: walks.append("resync"))
-    be = scaler.backend
     runs = []
-    monkeypatch.setattr(type(be), "_run_flat", lambda self, group, *a: runs.append(group.dtype))
+    monkeypatch.setattr(executor, "_flat", lambda device, kernel, group, *a: runs.append(group.dtype))
     scaler.unscale_(opt)
     assert walks == [] and runs == [torch.float32], "one op per (device, dtype); no walk, no per-parameter check"
 
@@ -359,10 +360,12 @@ def test_scaler_with_arena_pickles_and_copies():
     scaler.scale(model(torch.randn(2, 13)).sum()).backward()
     scaler.step(opt)
     scaler.update()
-    assert scaler._arena is flat_grads_of(opt)
+    arena = flat_grads_of(opt)
+    assert arena is not None and not any(r is arena for r in gc.get_referents(scaler.__dict__)), \
+        "the scaler keeps no arena: the optimizer does"
     clone = pickle.loads(pickle.dumps(scaler))
-    assert clone._arena is None and clone.get_scale() == scaler.get_scale()
-    assert copy.deepcopy(scaler)._arena is None
+    assert clone.get_scale() == scaler.get_scale()
+    assert copy.deepcopy(scaler).get_scale() == scaler.get_scale()
 
 
 @pytest.mark.parametrize("check", ["identity", "refcount"])

@@ -14,6 +14,8 @@ from torch.overrides import TorchFunctionMode
 import amp_backends
 from amp_backends import GradScaler, TorchKernel
 from amp_backends.cli.info import collect, render
+from amp_backends.gradients.groups import FlatGroup
+from amp_backends.testing import grad_op_
 
 
 class StrictKernel(TorchKernel):
@@ -34,13 +36,9 @@ class StrictKernel(TorchKernel):
                 raise RuntimeError(f"amp_unscale: tensor of {g.numel()} elements over the limit")
             self.seen.append((g.dtype, g.numel()))
 
-    def unscale_and_check_(self, grads, found_inf, inv_scale):
-        self._admit(grads)
-        super().unscale_and_check_(grads, found_inf, inv_scale)
-
-    def check_(self, grads, found_inf):
-        self._admit(grads)
-        super().check_(grads, found_inf)
+    def grad_op_(self, group, found_inf, inv_scale=None, norm_sq=None):
+        self._admit([group.buffer] if isinstance(group, FlatGroup) else group.tensors)
+        super().grad_op_(group, found_inf, inv_scale, norm_sq)
 
 
 def _backend(**declared) -> amp_backends.Backend:
@@ -48,7 +46,7 @@ def _backend(**declared) -> amp_backends.Backend:
     kernel = declared.pop("kernel", None)
     for key, value in declared.items():
         setattr(be, key, value)
-    be._kernel = kernel or StrictKernel()
+    be.kernel = kernel or StrictKernel()
     return be
 
 
@@ -64,13 +62,13 @@ def _grads(dtype, seed=0):
 def test_gradients_of_dtypes_the_op_refuses_go_through_float32_with_torchs_results(bad):
     strict = _backend()
     with pytest.raises(RuntimeError, match="only support float32 and float16"):
-        strict.unscale_and_check_(_grads(torch.bfloat16), torch.zeros(()), torch.tensor(0.125))
+        grad_op_(strict, _grads(torch.bfloat16), torch.zeros(()), torch.tensor(0.125))
     be = _backend(unscale_dtypes=(torch.float32, torch.float16))
     ours, ref = _grads(torch.bfloat16), _grads(torch.bfloat16)
     if bad is not None:
         ours[2][1, 1] = ref[2][1, 1] = bad
     found, ref_found = torch.zeros(()), torch.zeros(())
-    be.unscale_and_check_(ours, found, torch.tensor(0.125))
+    grad_op_(be, ours, found, torch.tensor(0.125))
     torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, torch.tensor(0.125))
     assert found.item() == ref_found.item() == (0.0 if bad is None else 1.0)
     for a, b in zip(ours, ref):
@@ -79,7 +77,7 @@ def test_gradients_of_dtypes_the_op_refuses_go_through_float32_with_torchs_resul
     assert {d for d, _ in be.kernel.seen} == {torch.float32}, "the device's op saw only what it accepts"
     before = [g.clone() for g in ours]
     found.zero_()
-    be.check_(ours, found)
+    grad_op_(be, ours, found)
     assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(ours, before)), "read-only stays read-only"
 
 
@@ -88,7 +86,7 @@ def test_tensors_over_the_element_limit_go_in_slices():
     ours, ref = _grads(torch.float32), _grads(torch.float32)
     ours[1][2, 3] = ref[1][2, 3] = math.inf  # the last element of a transposed (non-contiguous) gradient
     found, ref_found = torch.zeros(()), torch.zeros(())
-    be.unscale_and_check_(ours, found, torch.tensor(0.5))
+    grad_op_(be, ours, found, torch.tensor(0.5))
     torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, torch.tensor(0.5))
     assert found.item() == ref_found.item() == 1.0
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))

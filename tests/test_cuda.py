@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import amp_backends
+import amp_backends.testing
 
 pytestmark = [
     pytest.mark.cuda,
@@ -46,7 +47,7 @@ def test_cuda_unscale_on_every_layout(cuda):
     grads[4][2, 3] = math.nan
     expected = [(g.double() * 0.5).to(g.dtype) for g in grads]
     found = torch.zeros((), device="cuda")
-    cuda.unscale_and_check_(grads, found, torch.full((), 0.5, device="cuda"))
+    amp_backends.testing.grad_op_(cuda, grads, found, torch.full((), 0.5, device="cuda"))
     assert found.item() == 1.0
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
@@ -99,7 +100,7 @@ def test_cuda_arena_is_bitwise_the_per_tensor_path(fused, check, triton_at_every
     if triton_at_every_size and hasattr(be.kernel, "min_elements"):
         kernel = copy.copy(be.kernel)
         kernel.min_elements = 0
-        be._kernel = kernel
+        be.kernel = kernel
 
     def run(arena):
         torch.manual_seed(0)

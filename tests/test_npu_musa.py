@@ -111,7 +111,7 @@ def test_musa_bf16_gradients_go_around_cudas_op():
             res["torch"] = str(e)
         ref = g.clone(); torch._amp_foreach_non_finite_check_and_unscale_([ref], torch.zeros(()), torch.full((), 0.5))
         ours = g.to("musa"); found = torch.zeros(()).to("musa")
-        be.unscale_and_check_([ours], found, torch.full((), 0.5).to("musa"))
+        amp_backends.testing.grad_op_(be, [ours], found, torch.full((), 0.5).to("musa"))
         res["same"] = torch.equal(ours.cpu(), ref)
         print(json.dumps(res))
         """,

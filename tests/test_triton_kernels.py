@@ -16,6 +16,7 @@ if not CUDA:
 pytest.importorskip("triton", reason="the triton extra is not installed")
 
 import amp_backends  # noqa: E402
+from amp_backends.gradients.groups import TensorGroup  # noqa: E402
 from amp_backends_plugins.triton import TritonKernel, _kernels  # noqa: E402
 
 from conftest import run_json  # noqa: E402
@@ -25,6 +26,19 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 B = _kernels.BLOCK
 KERNEL = TritonKernel()
 KERNEL.min_elements = 0  # the Triton code itself, at every size (small groups otherwise go to torch's op)
+
+
+def _group(tensors):
+    return TensorGroup(tensors[0].device if tensors else torch.device(DEVICE), tensors[0].dtype if tensors else torch.float32,
+                       list(tensors))
+
+
+def _unscale(kernel, tensors, found, inv, norm_sq=None):
+    kernel.grad_op_(_group(tensors), found, inv, norm_sq)
+
+
+def _check(kernel, tensors, found, norm_sq=None):
+    kernel.grad_op_(_group(tensors), found, None, norm_sq)
 
 
 def _tensors(dtype, seed=0):
@@ -81,7 +95,7 @@ def test_unscale_matches_torch_bitwise(dtype, inv):
     tensors = _tensors(dtype, seed=int(inv * 1000) % 97)
     ref, ref_found = _reference(tensors, inv)
     found = torch.zeros((), device=DEVICE)
-    KERNEL.unscale_and_check_(tensors, found, torch.tensor(inv, device=DEVICE))
+    _unscale(KERNEL, tensors, found, torch.tensor(inv, device=DEVICE))
     assert found.item() == ref_found.item() == 0.0
     for a, b in zip(tensors, ref):
         _same(a, b)
@@ -100,7 +114,7 @@ def test_every_non_finite_position_is_found(dtype, value):
             target[tuple(int(k) for k in torch.unravel_index(torch.tensor(pos), target.shape))] = value
             ref, ref_found = _reference(tensors, 0.25)
             found = torch.zeros((), device=DEVICE)
-            KERNEL.unscale_and_check_(tensors, found, torch.tensor(0.25, device=DEVICE))
+            _unscale(KERNEL, tensors, found, torch.tensor(0.25, device=DEVICE))
             assert found.item() == 1.0 == ref_found.item(), (i, pos)
             for a, b in zip(tensors, ref):
                 _same(a, b)
@@ -115,7 +129,7 @@ def test_values_near_the_float16_maximum(dtype):
         tensors = [values.to(dtype).to(DEVICE)]
         ref, ref_found = _reference(tensors, inv)
         found = torch.zeros((), device=DEVICE)
-        KERNEL.unscale_and_check_(tensors, found, torch.tensor(inv, device=DEVICE))
+        _unscale(KERNEL, tensors, found, torch.tensor(inv, device=DEVICE))
         assert found.item() == ref_found.item()
         _same(tensors[0], ref[0])
 
@@ -138,7 +152,7 @@ def test_many_tensors_of_mixed_sizes_take_one_launch(monkeypatch):
     tensors[123][min(5, sizes[123] - 1)] = math.nan
     ref, ref_found = _reference(tensors, 0.125)
     found = torch.zeros((), device=DEVICE)
-    KERNEL.unscale_and_check_(tensors, found, torch.tensor(0.125, device=DEVICE))
+    _unscale(KERNEL, tensors, found, torch.tensor(0.125, device=DEVICE))
     assert counter.launches == 1
     assert found.item() == ref_found.item() == 1.0
     for a, b in zip(tensors, ref):
@@ -153,7 +167,7 @@ def test_fused_norm_matches_float64(dtype):
     ref, _ = _reference(tensors, 0.5)
     norm_sq = torch.zeros((), device=DEVICE)
     found = torch.zeros((), device=DEVICE)
-    KERNEL.unscale_check_norm_(tensors, found, torch.tensor(0.5, device=DEVICE), norm_sq)
+    _unscale(KERNEL, tensors, found, torch.tensor(0.5, device=DEVICE), norm_sq)
     assert found.item() == 0.0
     for a, b in zip(tensors, ref):
         _same(a, b)
@@ -166,10 +180,10 @@ def test_read_only_check_and_norm_write_nothing(dtype):
     tensors = _tensors(dtype, seed=13)
     bits = [t.clone() for t in tensors]
     found = torch.zeros((), device=DEVICE)
-    KERNEL.check_(tensors, found)
+    _check(KERNEL, tensors, found)
     assert found.item() == 0.0
     norm_sq = torch.zeros((), device=DEVICE)
-    KERNEL.check_norm_(tensors, found, norm_sq)
+    _check(KERNEL, tensors, found, norm_sq)
     expected = torch.linalg.vector_norm(torch.cat([t.double().flatten() for t in tensors]))
     torch.testing.assert_close(norm_sq.sqrt().double().cpu(), expected.cpu(), rtol=1e-4, atol=0)
     for t, b in zip(tensors, bits):
@@ -180,7 +194,7 @@ def test_read_only_check_and_norm_write_nothing(dtype):
         probe[i][(0,) * probe[i].dim()] = math.nan
         snapshot = [p.clone() for p in probe]
         found = torch.zeros((), device=DEVICE)
-        KERNEL.check_(probe, found)
+        _check(KERNEL, probe, found)
         assert found.item() == 1.0
         for p, s in zip(probe, snapshot):
             torch.testing.assert_close(p, s, rtol=0, atol=0, equal_nan=True)
@@ -192,7 +206,7 @@ def _train(kernel, steps=8, fused=False):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     be = copy.copy(amp_backends.get(DEVICE))
     if kernel is not None:
-        be._kernel = kernel
+        be.kernel = kernel
     scaler = amp_backends.GradScaler(be, init_scale=2.0**12, growth_interval=3)
     x = torch.randn(16, 24, device=DEVICE)
     norms = []
@@ -273,19 +287,19 @@ def test_small_groups_go_to_torchs_op_with_the_same_results(dtype, monkeypatch):
     tensors[2][5] = math.inf
     ref, ref_found = _reference(tensors, 0.5)
     found = torch.zeros((), device=DEVICE)
-    small.unscale_and_check_(tensors, found, torch.tensor(0.5, device=DEVICE))
+    _unscale(small, tensors, found, torch.tensor(0.5, device=DEVICE))
     assert found.item() == ref_found.item() == 1.0
     for a, b in zip(tensors, ref):
         _same(a, b)
     checked = _tensors(dtype, seed=18)
     found = torch.zeros((), device=DEVICE)
-    small.check_(checked, found)
+    _check(small, checked, found)
     assert found.item() == 0.0
     monkeypatch.undo()
     launches = []
     monkeypatch.setattr(_kernels, "_launch", lambda *a, **k: launches.append(a))
-    small.check_norm_(checked, found, torch.zeros((), device=DEVICE))
+    _check(small, checked, found, torch.zeros((), device=DEVICE))
     assert len(launches) == 1, "a norm is always one Triton launch: torch's per-tensor norms cost more"
     monkeypatch.undo()
-    assert amp_backends.gradients.kernel.kernel_self_check(small, torch.device(DEVICE)) is None
+    assert amp_backends.gradients.selfcheck.kernel_self_check(small, torch.device(DEVICE)) is None
     assert small.min_elements == 10**9, "restored after the self-check"

@@ -31,6 +31,7 @@ with one warning naming the cause; ``optimizer.zero_grad()`` brings the gradient
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -39,11 +40,12 @@ from typing import Any
 import torch
 
 from ..eager import eager, untraced
-from .groups import ALIGN_BYTES, FlatGroup, layout, views_of
+from .groups import ALIGN_BYTES, ARENA_ATTR, FP16_PARAMS, FlatGroup, layout, views_of
 
-__all__ = ["ALIGN_BYTES", "CHECKS", "FlatGrads", "FlatGroup", "flat_grads", "flat_grads_of", "layout"]
+__all__ = ["ALIGN_BYTES", "ARENA_ATTR", "CHECKS", "FP16_PARAMS", "FlatGrads", "FlatGroup", "flat_grads", "flat_grads_of",
+           "layout"]
 
-_ATTR = "_amp_backends_flat_grads"
+_ATTR = ARENA_ATTR
 #: How the arena confirms the gradients are in place (see the module docstring); the first is the default.
 CHECKS = ("refcount", "identity")
 
@@ -106,12 +108,23 @@ class _Slots:
         self.spare = list(views_of(g.buffer, g.offsets, g.shapes))
         self.free = set(range(len(self.spare)))
 
-    def rezero_free(self) -> None:
-        """Zero the free slots after an op that multiplied the whole buffer by a factor that may
-        have been inf or NaN (0 * inf is NaN); the gaps are zeroed before the next op reads them."""
-        self.group.dirty = True
+    @eager
+    def clean(self) -> None:
+        """Zero the free slots and the gaps between slots, after an op multiplied the whole buffer by
+        a factor that may have been inf or NaN (0 * inf is NaN): before the buffer is next handed to
+        a kernel or a free slot's view to a backward."""
+        g = self.group
+        g.dirty = False
         if self.free:
             torch._foreach_zero_([self.spare[i] for i in self.free])
+        gaps = g.cache.get("gaps")
+        if gaps is None:
+            ends = [o + n for o, n in zip(g.offsets, g.numels)]
+            starts = list(g.offsets[1:]) + [g.buffer.numel()]
+            index = [i for e, s in zip(ends, starts) for i in range(e, s)]
+            gaps = g.cache["gaps"] = torch.tensor(index, dtype=torch.int64, device=g.device)
+        if gaps.numel():
+            g.buffer.index_fill_(0, gaps, 0)
 
 
 class FlatGrads:
@@ -150,6 +163,8 @@ class FlatGrads:
             if grad.is_sparse or torch.is_grad_enabled():  # sparse, or create_graph: torch makes its own
                 self._outside = True
                 return
+            if slots.group.dirty:  # a free slot's view must be zero before torch accumulates into it
+                slots.clean()
             view = slots.spare[i]
             if view is None:  # the view this slot gave was dropped (model.zero_grad(), p.grad = None)
                 view = slots.reclaim(i)
@@ -257,12 +272,21 @@ class FlatGrads:
         """Whether any slot holds a gradient (the per-tensor path would find one)."""
         return any(len(s.free) < len(s.group.params) for s in self._slots)
 
-    def after_multiply(self, finite: bool = False) -> None:
-        """After an op multiplied whole buffers (unscale, clip): unless the factor is known finite
-        (``finite``), free slots back to zero and the gaps marked for zeroing."""
-        if not finite:
-            for s in self._slots:
-                s.rezero_free()
+    def groups_for_op(self, allow_fp16: bool) -> list[FlatGroup] | None:
+        """The buffers, for the scaler's op, when they hold exactly the optimizer's gradients (else
+        None, warned once per cause: the per-tensor path runs); [] when no slot holds a gradient.
+        Everything outside the gradients is zero in what it returns. float16 parameters are refused
+        (unless ``allow_fp16``) before any buffer is touched, as torch's unscale refuses them."""
+        if not self.attached():
+            return None
+        if not self.has_gradients():
+            return []  # torch's path finds no gradient either: its step raises, as torch's does
+        if not allow_fp16 and any(g.dtype == torch.float16 for g in self.groups):
+            raise ValueError(FP16_PARAMS)
+        for s in self._slots:
+            if s.group.dirty:
+                s.clean()
+        return list(self.groups)
 
     def fits(self) -> bool:
         """Whether every parameter still matches its slot (same parameters, dtypes, shapes, devices)."""
@@ -299,7 +323,7 @@ class FlatGrads:
             for i in range(len(params)):
                 grad = params[i].grad
                 if grad is not None:
-                    held = held or sys.getrefcount(grad) > _GRAD_REFS  # the user keeps this gradient
+                    held = held or sys.getrefcount(grad) > _grad_refs()  # the user keeps this gradient
                     spare[i] = grad
                     params[i].grad = None
             s.free = set(range(len(params)))
@@ -413,6 +437,7 @@ def _foreign(grad: torch.Tensor, group: FlatGroup, i: int) -> str:
             "create_graph=True or sparse gradients): optimizer.zero_grad() brings it back")
 
 
+@functools.cache
 def _grad_refs() -> int:
     """``sys.getrefcount`` of a ``.grad`` read into a local, when nothing else refers to it."""
     p = torch.zeros(1, requires_grad=True)
@@ -420,5 +445,3 @@ def _grad_refs() -> int:
     grad = p.grad
     return sys.getrefcount(grad)
 
-
-_GRAD_REFS = _grad_refs()

@@ -1,31 +1,28 @@
-"""An optimizer's gradients as the scaler's one backend op takes them: grouped by (device, dtype),
-from its :func:`~amp_backends.flat_grads` arena when the gradients are in the buffers, else after one
-walk over the parameters (torch's per-tensor path)."""
+"""An optimizer's gradients as the op takes them: grouped by (device, dtype), from its
+:func:`~amp_backends.flat_grads` arena when the gradients are in the buffers, else after one walk
+over the parameters (torch's per-tensor path)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .arena import FlatGrads, flat_grads_of
-from .groups import GradGroup
+from .groups import ARENA_ATTR, FP16_PARAMS, GradGroup, TensorGroup
 
-__all__ = ["FP16_PARAMS", "collect", "walk"]
+if TYPE_CHECKING:
+    from .arena import FlatGrads
 
-FP16_PARAMS = (
-    "Attempting to unscale FP16 gradients: the parameters themselves are float16. Keep parameters "
-    "in float32 and let autocast lower the compute, or use bf16 without a scaler."
-)
+__all__ = ["FP16_PARAMS", "collect", "groups_of", "walk"]
 
 
 def collect(optimizer: torch.optim.Optimizer, allow_fp16: bool, for_norm: bool) -> tuple[list[GradGroup], FlatGrads | None]:
     """The gradients of ``optimizer``, and the arena they came from (None: a walk found them)."""
-    arena = flat_grads_of(optimizer)
-    if arena is not None and arena.attached():
-        if not arena.has_gradients():
-            return [], arena  # torch's path finds no gradient either: its step raises, as torch's does
-        if not allow_fp16 and any(g.dtype == torch.float16 for g in arena.groups):
-            raise ValueError(FP16_PARAMS)  # before any buffer is touched: a refusal changes nothing
-        return list(arena.groups), arena
+    arena: FlatGrads | None = getattr(optimizer, ARENA_ATTR, None)
+    if arena is not None:
+        groups = arena.groups_for_op(allow_fp16)
+        if groups is not None:
+            return list(groups), arena
     return walk(optimizer, allow_fp16, for_norm), None
 
 
@@ -52,4 +49,12 @@ def walk(optimizer: torch.optim.Optimizer, allow_fp16: bool, for_norm: bool) -> 
             if bucket is None:
                 by_dtype[dtype] = bucket = []
             bucket.append(grad)
-    return [(d, t, grads) for d, by_dtype in groups.items() for t, grads in by_dtype.items()]
+    return [TensorGroup(d, t, grads) for d, by_dtype in groups.items() for t, grads in by_dtype.items()]
+
+
+def groups_of(tensors: list[torch.Tensor]) -> list[GradGroup]:
+    """``tensors`` grouped by device then dtype, in order of appearance, as the walk groups gradients."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return [TensorGroup(d, dt, ts) for (d, dt), ts in groups.items()]

@@ -6,16 +6,37 @@ kernels (which run on them); it depends on nothing else of the package.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
 
-__all__ = ["ALIGN_BYTES", "FlatGroup", "GradGroup", "layout", "views_of"]
+__all__ = ["ALIGN_BYTES", "ARENA_ATTR", "FP16_PARAMS", "FlatGroup", "GradGroup", "TensorGroup",
+           "group_by_device_and_dtype", "layout", "views_of"]
 
 #: Every gradient starts at a multiple of this many bytes from its buffer's start (128-bit loads).
 ALIGN_BYTES = 16
+#: The optimizer attribute that holds its flat gradient arena (:func:`amp_backends.flat_grads`).
+ARENA_ATTR = "_amp_backends_flat_grads"
+FP16_PARAMS = (
+    "Attempting to unscale FP16 gradients: the parameters themselves are float16. Keep parameters "
+    "in float32 and let autocast lower the compute, or use bf16 without a scaler."
+)
+
+
+@dataclass(eq=False)
+class TensorGroup:
+    """Gradients that share a device and a dtype, as a list (any strides, sparse values included)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tensors: list[torch.Tensor]
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients, for a norm."""
+        return self.tensors
 
 
 @dataclass(eq=False)
@@ -23,7 +44,8 @@ class FlatGroup:
     """The gradients of one (device, dtype): a parameter that holds a gradient holds a view of
     ``buffer[offsets[i]:offsets[i] + numels[i]]`` as ``params[i].grad``. Every other element of the
     buffer (the slots of parameters without a gradient, the gaps between slots) is zero whenever a
-    kernel runs on it."""
+    kernel runs on it: an op that multiplies the whole buffer by a factor that may be inf or NaN
+    sets :attr:`dirty`, and the arena zeroes those elements again before it hands the buffer out."""
 
     device: torch.device
     dtype: torch.dtype
@@ -34,9 +56,13 @@ class FlatGroup:
     shapes: tuple[torch.Size, ...]
     #: Kernels keep what they derive from the layout here (Triton: its block table), built once.
     cache: dict[Any, Any] = field(default_factory=dict)
-    #: Whether the gaps may hold non-zero values: a whole-buffer multiply by a factor that may have
-    #: been inf or NaN (0 * inf is NaN) ran since they were last zeroed.
+    #: Whether the gaps and free slots may hold non-zero values: a whole-buffer multiply by a factor
+    #: that may have been inf or NaN (0 * inf is NaN) ran since they were last zeroed.
     dirty: bool = False
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients the parameters hold (:meth:`views`), for a norm."""
+        return self.views()
 
     def views(self) -> list[torch.Tensor]:
         """The gradients the parameters hold, in slot order (parameters without one are left out,
@@ -47,26 +73,17 @@ class FlatGroup:
         """A new view of slot ``i``, shaped as its parameter."""
         return views_of(self.buffer, self.offsets[i:i + 1], self.shapes[i:i + 1])[0]
 
-    def clear_gaps_(self) -> None:
-        """Zero the alignment gaps between views, for an op that reads the whole buffer, where they
-        may be :attr:`dirty` (a multiply by inf or NaN, an unscale at scale 0 or a clip by a NaN
-        norm, reached them and no ``zero_grad()`` came since); one small op, or none."""
-        if not self.dirty:
-            return
-        self.dirty = False
-        gaps = self.cache.get("gaps")
-        if gaps is None:
-            ends = [o + n for o, n in zip(self.offsets, self.numels)]
-            starts = list(self.offsets[1:]) + [self.buffer.numel()]
-            index = [i for e, s in zip(ends, starts) for i in range(e, s)]
-            gaps = self.cache["gaps"] = torch.tensor(index, dtype=torch.int64, device=self.device)
-        if gaps.numel():
-            self.buffer.index_fill_(0, gaps, 0)
+
+#: One (device, dtype) group of gradients as the op takes it: an arena buffer, or a list.
+GradGroup = Union[FlatGroup, TensorGroup]
 
 
-#: One (device, dtype) group of gradients as a backend op takes it: an arena buffer, or
-#: (device, dtype, gradients) found by walking the parameters.
-GradGroup = Union[FlatGroup, "tuple[torch.device, torch.dtype, list[torch.Tensor]]"]
+def group_by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Split tensors into lists that share a device and a dtype, keeping their order."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return groups
 
 
 def _grad_of(t: torch.Tensor) -> torch.Tensor | None:

@@ -6,6 +6,9 @@ and the backend conformance suite (a pytest plugin, inert unless
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import torch
 
 
 #: The simulated extensions, by backend name ("generic": the device "sim", which no plugin claims).
@@ -18,3 +21,19 @@ def sim_packages_path(backend: str = "mlu") -> Path:
     if backend not in SIMULATED:
         raise ValueError(f"no simulated extension for {backend!r}: there are {', '.join(SIMULATED)}")
     return Path(__file__).resolve().parent / "sim_packages" / backend
+
+
+def grad_op_(backend: Any, grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None = None,
+             norm_sq: torch.Tensor | None = None) -> None:
+    """The scaler's gradient op on a list of gradients (any mix of dtypes and layouts), exactly as
+    training runs it: grouped by device and dtype, the limits the backend declares applied by the
+    executor, the backend's kernel called (``inv_scale`` None: check only; ``norm_sq``: add the fp32
+    sum of squares). What the conformance suite checks a device with."""
+    from ..gradients import executor
+    from ..gradients.collect import groups_of
+    from ..registry.registry import kernel_for
+
+    found = executor.run_(backend, kernel_for(backend), groups_of(list(grads)), found_inf, inv_scale, norm_sq)
+    for other in found.values():
+        if other is not found_inf:
+            found_inf.copy_(torch.maximum(found_inf, other.to(found_inf.device)))

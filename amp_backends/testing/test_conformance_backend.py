@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import amp_backends
+from amp_backends.testing import grad_op_
 
 # Devices whose autocast follows CUDA's lists (softmax, layer_norm in fp32, too).
 CUDA_LIKE = {"cuda", "mlu", "xpu", "hpu"}
@@ -125,7 +126,7 @@ def test_unscale_and_check(backend, value, where):
         # does (op-plugin's NPU kernel returns before unscaling); the step is skipped anyway
         expected = [t.cpu().clone() for t in grads]
     found = torch.zeros((), device=backend.device())
-    backend.unscale_and_check_(grads, found, torch.full((), 0.125, device=backend.device()))
+    grad_op_(backend, grads, found, torch.full((), 0.125, device=backend.device()))
     assert found.item() == (0.0 if value is None else 1.0)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
@@ -140,7 +141,7 @@ def test_declared_op_limits_are_well_formed(backend):
     assert isinstance(backend.has_fp64, bool) and isinstance(backend.global_overflow_status, bool)
     assert backend.built_for_torch is None or isinstance(backend.built_for_torch, str)
     if backend.global_overflow_status:
-        backend.clear_overflow_status()  # implemented, not the base class's NotImplementedError
+        backend.clear_overflow_status()  # implemented, as a device declaring the status must
         found = torch.zeros((), device=backend.device())
         backend.read_overflow_status_(found)
         assert found.item() == 0.0, "cleared just now"
@@ -163,7 +164,7 @@ def test_unscale_gradients_of_every_training_dtype(backend, bad):
         grads = [g.to(dev) for g in ref]
         found, ref_found = torch.zeros((), device=dev), torch.zeros(())
         inv = torch.tensor(1.0 / 64)
-        backend.unscale_and_check_(grads, found, inv.to(dev))
+        grad_op_(backend, grads, found, inv.to(dev))
         torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, inv)
         assert found.item() == ref_found.item(), dtype
         if bad is None:
@@ -192,7 +193,7 @@ def test_unscale_never_zeroes_finite_low_precision_gradients(backend, dtype):
     ref = torch.tensor(_SPREAD, dtype=dtype)
     grads = [ref.clone().to(dev), ref[:5].clone().to(dev)]
     found = torch.zeros((), device=dev)
-    backend.unscale_and_check_(grads, found, torch.full((), 0.5, device=dev))
+    grad_op_(backend, grads, found, torch.full((), 0.5, device=dev))
     expected = (ref.float() * 0.5).to(dtype)
     assert found.item() == 0.0
     assert torch.equal(grads[0].cpu(), expected), f"{dtype}: {grads[0].cpu().tolist()} != {expected.tolist()}"
@@ -225,7 +226,7 @@ def test_fused_kernels_do_what_the_backend_declares(backend, kind):
 
     dev = backend.device()
     opt = _fused_optimizer(kind, [torch.nn.Parameter(torch.ones(4, device=dev))])
-    said = backend.fused_kernel(opt)
+    said = fused.kernel_of(backend, opt)
     seen = fused.probe(opt, dev)
     if said.status == fused.HONOURS:
         assert seen.status == fused.HONOURS, (
@@ -254,8 +255,8 @@ def test_a_skipped_fused_step_leaves_the_weights_alone(backend, kind):
     dev = backend.device()
     model = torch.nn.Linear(4, 2).to(dev)
     opt = _fused_optimizer(kind, model.parameters())
-    if backend.fused_kernel(opt).status in (fused.ABSENT, fused.REFUSED):
-        pytest.skip(f"{kind}(fused=True) cannot run on {backend.name}: {backend.fused_kernel(opt).note}")
+    if fused.kernel_of(backend, opt).status in (fused.ABSENT, fused.REFUSED):
+        pytest.skip(f"{kind}(fused=True) cannot run on {backend.name}: {fused.kernel_of(backend, opt).note}")
     scaler = amp_backends.GradScaler(backend, init_scale=2.0**8)
     for poison in (False, True, False):
         before = [q.detach().cpu().clone() for q in model.parameters()]

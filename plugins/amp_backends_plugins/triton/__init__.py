@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from amp_backends import Kernel, hookimpl
-from amp_backends.gradients.groups import FlatGroup
+from amp_backends.gradients.groups import FlatGroup, GradGroup
 from amp_backends.gradients.kernel import TORCH_KERNEL
 
 #: Device types Triton compiles for.
@@ -72,34 +71,13 @@ class TritonKernel(Kernel):
             self._impl = _kernels
         return self._impl
 
-    def unscale_and_check_(
-        self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
-    ) -> None:
-        self.impl.run(grads, found_inf, inv_scale=inv_scale, write=True, norm_sq=None, min_elements=self.min_elements)
-
-    def check_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:
-        self.impl.run(grads, found_inf, inv_scale=None, write=False, norm_sq=None, min_elements=self.min_elements)
-
-    def unscale_check_norm_(
-        self,
-        grads: Sequence[torch.Tensor],
-        found_inf: torch.Tensor,
-        inv_scale: torch.Tensor,
-        norm_sq: torch.Tensor,
-    ) -> None:
-        self.impl.run(grads, found_inf, inv_scale=inv_scale, write=True, norm_sq=norm_sq, min_elements=self.min_elements)
-
-    def check_norm_(self, grads: Sequence[torch.Tensor], found_inf: torch.Tensor, norm_sq: torch.Tensor) -> None:
-        self.impl.run(grads, found_inf, inv_scale=None, write=False, norm_sq=norm_sq, min_elements=self.min_elements)
-
-    def flat_op_(
-        self,
-        group: FlatGroup,
-        found_inf: torch.Tensor,
-        inv_scale: torch.Tensor | None,
-        norm_sq: torch.Tensor | None,
-    ) -> None:
-        self.impl.run_flat(group, found_inf, inv_scale, norm_sq, self.min_elements)
+    def grad_op_(self, group: GradGroup, found_inf: torch.Tensor, inv_scale: Optional[torch.Tensor] = None,
+                 norm_sq: Optional[torch.Tensor] = None) -> None:
+        if isinstance(group, FlatGroup):
+            self.impl.run_flat(group, found_inf, inv_scale, norm_sq, self.min_elements)
+        else:
+            self.impl.run(group.tensors, found_inf, inv_scale=inv_scale, write=inv_scale is not None,
+                          norm_sq=norm_sq, min_elements=self.min_elements)
 
 
 @hookimpl

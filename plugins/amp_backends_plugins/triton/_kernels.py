@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from amp_backends.gradients.groups import FlatGroup
+from amp_backends.gradients.groups import FlatGroup, TensorGroup
 from amp_backends.gradients.kernel import TORCH_KERNEL, add_sum_of_squares, through_float32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -277,14 +277,10 @@ def _torch_ops(
     reduces found_inf over the mesh; a read-only check is torch's unscale by 1."""
     if not grads:
         return
-    if inv_scale is None:
-        op, args = TORCH_KERNEL.check_, (found_inf,)
-    else:
-        op, args = TORCH_KERNEL.unscale_and_check_, (found_inf, inv_scale)
     if grads[0].dtype == torch.bfloat16:  # CUDA's op has no bf16
-        through_float32(op, grads, *args, write=inv_scale is not None)
+        through_float32(TORCH_KERNEL, grads, found_inf, inv_scale)
     else:
-        op(grads, *args)
+        TORCH_KERNEL.grad_op_(TensorGroup(grads[0].device, grads[0].dtype, grads), found_inf, inv_scale)
     if norm_sq is not None:
         add_sum_of_squares(grads, norm_sq)
 
@@ -327,8 +323,7 @@ def run_flat(group: FlatGroup, found_inf: torch.Tensor, inv_scale: Optional[torc
         _fallback(group.views(), found_inf, inv_scale, inv_scale is not None, norm_sq)
         return
     if min_elements and norm_sq is None and group.buffer.numel() < min_elements:
-        group.clear_gaps_()
-        _torch_ops([group.buffer], found_inf, inv_scale, None)
+        _torch_ops([group.buffer], found_inf, inv_scale, None)  # its gaps are zero: the arena keeps them so
         return
     key = ("triton", BLOCK)
     table = group.cache.get(key)

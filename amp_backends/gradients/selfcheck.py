@@ -1,0 +1,132 @@
+"""A kernel checked on the device before it is adopted: its op's results against torch's own.
+
+The registry runs :func:`kernel_self_check` on a plugin's kernel before a backend uses it; a kernel
+that raises, misses an inf/NaN, writes when it should only read, or gets a value wrong is not adopted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .groups import FlatGroup, TensorGroup, layout
+from .kernel import Kernel
+
+__all__ = ["kernel_self_check"]
+
+
+def kernel_self_check(kernel: Kernel, device: torch.device) -> str | None:
+    """What is wrong with ``kernel`` on ``device`` (None: nothing). Float32 and float16 gradients:
+    unscale values bitwise equal to torch's op, inf and NaN found, read-only ops write nothing,
+    the sum of squares right; float32, float16 and bfloat16 gradients longer than any block with
+    the inf/NaN only at their end, as a list and as an arena's flat buffer. A kernel that raises is
+    reported, not propagated."""
+    threshold = getattr(kernel, "min_elements", None)
+    if threshold:  # a kernel that hands small inputs to torch is checked on its own code too
+        kernel.min_elements = 0  # type: ignore[attr-defined]
+    try:
+        return _self_check_problem(kernel, device)
+    except Exception as exc:  # noqa: BLE001 - a broken kernel is a finding, not a crash
+        return f"raised {type(exc).__name__}: {exc}"
+    finally:
+        if threshold:
+            kernel.min_elements = threshold  # type: ignore[attr-defined]
+
+
+#: The self-check's long gradients: two blocks of 4096 (the Triton kernel's on GPUs; 16 of 512
+#: interpreted) and an odd tail, so a kernel that looks at only the first block, or only the first
+#: 64 elements, misses the inf/NaN put at the end.
+_LONG = 2 * 4096 + 3
+
+
+def _group(grads: list[torch.Tensor]) -> TensorGroup:
+    return TensorGroup(grads[0].device, grads[0].dtype, grads)
+
+
+def _expected(values: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """What an unscale must give: the product computed in float32, cast back (torch's op)."""
+    return (values.float() * inv.float().cpu()).to(values.dtype)
+
+
+def _long_and_flat_problem(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Gradients longer than any block, an inf or NaN only at their very end, as a list and on an
+    arena's flat buffer: found, and clean values unscaled exactly."""
+    name = str(dtype).replace("torch.", "")
+    inv = torch.full((), 0.5, dtype=torch.float32, device=device)
+    pattern = (torch.arange(_LONG, dtype=torch.float32) % 7 - 3).to(dtype)
+    for bad in (None, float("inf"), float("nan")):
+        # a list: a short one, then the long one with the bad value last
+        host = [pattern[:37].clone(), pattern.clone()]
+        if bad is not None:
+            host[1][-1] = bad
+        grads = [h.to(device, copy=True) for h in host]
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        kernel.grad_op_(_group(grads), found, inv)
+        if bool(found.item()) != (bad is not None):
+            return f"{'missed an' if bad is not None else 'reported an'} inf/NaN at element {_LONG - 1} of a {name} gradient"
+        if bad is None and not all(torch.equal(g.cpu(), _expected(h, inv)) for g, h in zip(grads, host)):
+            return f"unscaled {name} values of a {_LONG}-element gradient differ from torch's"
+        # the arena's flat buffer: views 16-byte aligned, zero gaps between them
+        sizes = (5, 37, _LONG)
+        offsets, total = layout(sizes, torch.empty((), dtype=dtype).element_size())
+        buffer = torch.zeros(total, dtype=dtype, device=device)
+        params = []
+        for off, n in zip(offsets, sizes):
+            p = torch.zeros(n, dtype=dtype, device=device, requires_grad=True)
+            p.grad = buffer[off:off + n]
+            params.append(p)
+        values = [pattern[:n].clone() for n in sizes]
+        if bad is not None:
+            values[-1][-1] = bad
+        for p, v in zip(params, values):
+            p.grad.copy_(v.to(device, copy=True))
+        group = FlatGroup(device, dtype, buffer, tuple(params), tuple(offsets), sizes, tuple(p.shape for p in params))
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        kernel.grad_op_(group, found, inv)
+        if bool(found.item()) != (bad is not None):
+            return f"its op {'missed an' if bad is not None else 'reported an'} inf/NaN in a {name} arena buffer"
+        if bad is None and not all(torch.equal(p.grad.cpu(), _expected(v, inv)) for p, v in zip(params, values)):
+            return f"its op unscaled {name} values of an arena buffer differently from torch's"
+    return None
+
+
+def _self_check_problem(kernel: Kernel, device: torch.device) -> str | None:
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        # bf16 gradients reach a kernel that takes them (a bf16 model): the long and flat checks
+        small = _small_problem(kernel, device, dtype) if dtype != torch.bfloat16 else None
+        problem = small or _long_and_flat_problem(kernel, device, dtype)
+        if problem:
+            return problem
+    return None
+
+
+def _small_problem(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Two short gradients against torch's own op: unscale, the read-only check, the norm."""
+    base = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.0, -0.75, 6.0, 1.0], dtype=dtype)
+    inv = torch.full((), 0.5, dtype=torch.float32, device=device)
+    for bad in (None, float("inf"), float("nan")):
+        grads = [base.clone().to(device), base[:5].clone().to(device)]
+        if bad is not None:
+            grads[1][2] = bad
+        reference = [g.clone() for g in grads]
+        found, ref_found = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
+        kernel.grad_op_(_group(grads), found, inv)
+        torch._amp_foreach_non_finite_check_and_unscale_(reference, ref_found, inv)
+        if bool(found.item()) != (bad is not None):
+            return f"{'missed an' if bad is not None else 'reported an'} inf/NaN in {dtype} gradients"
+        if bad is None and not all(torch.equal(a, b) for a, b in zip(grads, reference)):
+            return f"unscaled {dtype} values differ from torch's"
+        untouched = [g.clone() for g in grads]
+        found.zero_()
+        kernel.grad_op_(_group(grads), found)
+        if bool(found.item()) != (bad is not None):
+            return f"its read-only check {'missed' if bad is not None else 'invented'} an inf/NaN"
+        if not all(torch.equal(a, b) or (a.isnan().any() and b.isnan().any()) for a, b in zip(grads, untouched)):
+            return "its read-only check wrote the gradients"
+    grads = [base.clone().to(device)]
+    norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    kernel.grad_op_(_group(grads), found, inv, norm_sq)
+    expected = float((base.double() * 0.5).pow(2).sum())
+    if abs(float(norm_sq.item()) - expected) > 1e-3 * expected:
+        return f"sum of squares {float(norm_sq.item()):g} where {expected:g} is right"
+    return None
