@@ -113,7 +113,7 @@ def test_xpu_arc_without_float64_uses_the_float32_inverse_scale(monkeypatch, fre
                                                              r"tensors only\): use a torch XPU build with XCCL.*oneccl"):
         amp_backends.distributed.init_process_group(be)
     scale = torch.full((), 2.0**16)
-    inv = amp_backends.GradScaler(be, init_scale=2.0**16)._inv_scale(scale)
+    inv = amp_backends.GradScaler(be, init_scale=2.0**16)._grads.inv_scale(scale)
     assert inv.dtype == torch.float32 and inv.item() == 2.0**-16
 
 
@@ -475,7 +475,7 @@ def test_a_kernel_is_adopted_on_rocm_only_after_its_self_check(monkeypatch):
         checked.append((kernel.name, str(device)))
         return "missed an inf/NaN in torch.float16 gradients"
 
-    monkeypatch.setattr(amp_backends.registry.registry, "kernel_self_check", self_check)
+    monkeypatch.setattr(amp_backends.gradients.selfcheck, "kernel_self_check", self_check)
 
     class Plugin:
         @amp_backends.hookimpl

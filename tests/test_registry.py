@@ -248,7 +248,7 @@ def test_import_and_get_cpu_import_no_optional_device_library():
         """
         import json, sys, amp_backends
         amp_backends.get("cpu")
-        amp_backends.get("cpu").unscale_and_check_([], __import__("torch").zeros(()), __import__("torch").ones(()))
+        amp_backends.testing.grad_op_(amp_backends.get("cpu"), [], __import__("torch").zeros(()), __import__("torch").ones(()))
         print(json.dumps([m for m in ("triton", "torch_mlu") if m in sys.modules]))
         """
     )
@@ -299,9 +299,10 @@ class Doubling(amp_backends.TorchKernel):
     def auto_select(self, device_type):
         return device_type == "cpu"
 
-    def unscale_and_check_(self, grads, found_inf, inv_scale):
-        type(self).calls += 1
-        super().unscale_and_check_(grads, found_inf, inv_scale)
+    def grad_op_(self, group, found_inf, inv_scale=None, norm_sq=None):
+        if inv_scale is not None:
+            type(self).calls += 1
+        super().grad_op_(group, found_inf, inv_scale, norm_sq)
 
 class Clash(amp_backends.TorchKernel):
     name = "torch"

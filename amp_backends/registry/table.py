@@ -1,0 +1,128 @@
+"""The backends plugins registered, and the rules for a name taken twice.
+
+A name is unique across plugins: a second plugin registering it makes both unusable (``get()`` names
+the two packages) unless one passes ``override=True``. A third-party backend under a built-in's name
+is ignored (with a warning at ``get()``) unless it overrides. A fallback backend (the generic one on
+``torch.accelerator``) is kept only while no other backend serves its device type or takes its name.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..devices.contract import Device
+from .records import PluginRecord
+
+__all__ = ["BackendTable", "check_fields"]
+
+#: Names ``get()`` gives a meaning of its own: no backend may take them.
+_RESERVED_NAMES = ("auto",)
+
+
+def check_fields(backend: Device) -> None:
+    """The declared fields a backend is ranked and used by: refused at registration (the plugin
+    then fails to load, named in ``info``), never a raw error later in ``get()``."""
+    cls = type(backend).__name__
+    for attr in ("name", "device_type"):
+        value = getattr(backend, attr, None)
+        if not isinstance(value, str) or not value or value != value.strip() or any(c.isspace() for c in value):
+            raise ValueError(f"{cls}.{attr} must be a non-empty string without spaces, got {value!r}")
+    if backend.name.lower() in _RESERVED_NAMES:
+        raise ValueError(f"{cls}.name {backend.name!r} is reserved (get({backend.name!r}) means the best "
+                         "available backend): choose another name")
+    priority = getattr(backend, "priority", None)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"{cls}.priority must be an int (built-in accelerators 100, cpu 0), got "
+                        f"{type(priority).__name__} {priority!r}")
+    if not isinstance(backend.default_dtype, torch.dtype) or not backend.default_dtype.is_floating_point:
+        raise TypeError(f"{cls}.default_dtype must be a floating torch.dtype (torch.float16, torch.bfloat16), "
+                        f"got {type(backend.default_dtype).__name__} {backend.default_dtype!r}")
+    declared = inspect.getattr_static(backend, "global_overflow_status", False)  # a property is not asked now
+    if (declared is True or isinstance(declared, property)) and not all(
+            callable(getattr(type(backend), m, None)) for m in ("clear_overflow_status", "read_overflow_status_")):
+        raise TypeError(f"{cls} sets global_overflow_status but does not implement clear_overflow_status() and "
+                        "read_overflow_status_(found_inf)")
+
+
+class BackendTable:
+    """Name -> (backend, the plugin that registered it, whether it overrides), with the names taken
+    twice, the fallbacks waiting to be placed, and the third-party registrations under built-in names."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[Device, PluginRecord, bool]] = {}
+        self.duplicates: dict[str, list[PluginRecord]] = {}
+        #: backends registered with fallback=True: kept only while no other backend serves their device type
+        self.fallbacks: list[tuple[Device, PluginRecord]] = []
+        #: third-party registrations under a built-in's name: (name, plugin, overrides?)
+        self.shadowing: list[tuple[str, PluginRecord, bool]] = []
+
+    def add(self, record: PluginRecord, backend: Device, override: bool = False, fallback: bool = False) -> None:
+        """A plugin's ``register(backend, override=..., fallback=...)``."""
+        if not isinstance(backend, Device) or not callable(getattr(backend, "grad_scaler", None)):
+            raise TypeError(f"register() takes an amp_backends.Backend instance, got {type(backend).__name__}")
+        check_fields(backend)
+        if fallback:
+            if override:
+                raise ValueError("register(backend, override=True, fallback=True): a fallback never overrides; "
+                                 "pass one of them")
+            self.fallbacks.append((backend, record))  # placed by settle_fallbacks, after every plugin
+            return
+        key = backend.name.lower()
+        record.backends.append(key)
+        if key in self.duplicates:
+            self.duplicates[key].append(record)
+            return
+        existing = self.entries.get(key)
+        if existing is not None and any(existing[0] is b for b, _ in self.fallbacks):
+            del self.entries[key]  # a fallback yields to any backend of its name
+            existing[1].backends.remove(key)
+            existing = None
+        if existing is not None and existing[1].builtin and not record.builtin:
+            self.shadowing.append((key, record, override))
+            if not override:
+                return  # the built-in stays; get() and info name the plugin that tried
+        if existing is None or override:
+            self.entries[key] = (backend, record, override)
+        elif existing[2]:
+            return  # the one already here explicitly overrides
+        else:
+            self.duplicates[key] = [existing[1], record]
+            del self.entries[key]
+
+    def settle_fallbacks(self, records: list[PluginRecord]) -> None:
+        """Keep a fallback backend only where no other backend serves its device type or takes its
+        name, and no plugin of that name was switched off (AMP_BACKENDS_DISABLE_PLUGINS=cuda means no
+        cuda, not a generic one)."""
+        fallbacks = {id(b) for b, _ in self.fallbacks}
+        for backend, record in self.fallbacks:
+            key = backend.name.lower()
+            switched_off = any(  # its own plugin is installed but disabled or broken: not taken over
+                r.status != "loaded" and r.name.lower() in (key, backend.device_type) for r in records
+            )
+            claimed = switched_off or key in self.duplicates or any(
+                id(b) not in fallbacks and (b.device_type == backend.device_type or k == key)
+                for k, (b, _, _) in self.entries.items()
+            )
+            if claimed:
+                if self.entries.get(key, (None,))[0] is backend:
+                    del self.entries[key]
+                if key in record.backends:
+                    record.backends.remove(key)
+            elif key not in self.entries:
+                self.entries[key] = (backend, record, False)
+                record.backends.append(key)
+
+    def drop(self, record: PluginRecord) -> None:
+        """Forget everything ``record``'s plugin registered (its hook failed)."""
+        self.fallbacks = [(b, r) for b, r in self.fallbacks if r is not record]
+        for key in [k for k, (_, rec, _) in self.entries.items() if rec is record]:
+            del self.entries[key]
+
+    def is_fallback(self, backend: Device) -> bool:
+        return any(b is backend for b, _ in self.fallbacks)
+
+    def all_devices(self) -> list[Device]:
+        """Every backend registered, placed or waiting as a fallback."""
+        return [b for b, _, _ in self.entries.values()] + [b for b, _ in self.fallbacks]
