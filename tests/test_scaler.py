@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import amp_backends
 from amp_backends import GradScaler, StateDictError
+from amp_backends.scaler import plans
 
 SCALER_KW = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
 
@@ -386,12 +387,13 @@ def test_scaler_uses_the_backends_kernel():
     class Recording(amp_backends.TorchKernel):
         name = "recording"
 
-        def unscale_and_check_(self, grads, found_inf, inv_scale):
-            calls.append((len(grads), grads[0].dtype))
-            super().unscale_and_check_(grads, found_inf, inv_scale)
+        def grad_op_(self, group, found_inf, inv_scale=None, norm_sq=None):
+            if inv_scale is not None:
+                calls.append((len(group.tensors), group.dtype))
+            super().grad_op_(group, found_inf, inv_scale, norm_sq)
 
     be = copy.copy(amp_backends.get("cpu"))
-    be._kernel = Recording()
+    be.kernel = Recording()
     params = [torch.nn.Parameter(torch.randn(2)), torch.nn.Parameter(torch.randn(2, dtype=torch.bfloat16)),
               torch.nn.Parameter(torch.randn(3))]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -467,6 +469,6 @@ def test_a_skipped_first_step_of_fused_sgd_with_momentum_is_a_no_op():
     model = torch.nn.Linear(5, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     scaler_after.scale(model(torch.ones(2, 5)).sum()).backward()
-    assert not scaler_after._fused(opt), "first step: skipped from the host"
+    assert scaler_after._plan(opt) is plans.FROM_HOST, "first step: skipped from the host"
     scaler_after.step(opt)
-    assert scaler_after._fused(opt), "every parameter has its momentum buffer: the fused kernel skips itself"
+    assert scaler_after._plan(opt) is plans.FUSED, "every parameter has its momentum buffer: the fused kernel skips itself"

@@ -98,12 +98,13 @@ def test_scaler_passes_itself_to_an_optimizer_that_asks():
     calls = []
 
     class Recording(amp_backends.TorchKernel):
-        def check_(self, grads, found_inf):
-            calls.append(len(grads))
-            super().check_(grads, found_inf)
+        def grad_op_(self, group, found_inf, inv_scale=None, norm_sq=None):
+            if inv_scale is None:
+                calls.append(len(group.tensors))
+            super().grad_op_(group, found_inf, inv_scale, norm_sq)
 
     be = copy.copy(amp_backends.get("cpu"))
-    be._kernel = Recording()
+    be.kernel = Recording()
     weight = torch.nn.Parameter(torch.ones(4))
     opt = _LambLike([weight])
     scaler = GradScaler(be, init_scale=8.0)

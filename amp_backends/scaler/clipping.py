@@ -3,23 +3,40 @@
 With torch's kernel this is ``unscale_`` followed by ``torch.nn.utils.clip_grad_norm_`` over the
 optimizer's parameters, bit for bit (a fused optimizer then steps on the unscaled gradients, as in
 torch's recipe); with a kernel that measures while it unscales (Triton), one pass that unscales,
-checks and sums squares, then the multiply.
+checks and sums squares, then the multiply. It asks the scaler for four things only (:class:`Unscaling`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.amp.grad_scaler import OptState
 
-from ..gradients.arena import FlatGrads, flat_grads_of
-from ..backend import group_by_device_and_dtype
+from ..gradients.groups import ARENA_ATTR, group_by_device_and_dtype
 
-#: The amp_backends.GradScaler doing the clip (typed loosely: this module sits below the scaler).
-GradScaler = Any
+if TYPE_CHECKING:
+    from ..gradients.arena import FlatGrads
 
-__all__ = ["clip", "group_norms"]
+__all__ = ["Unscaling", "clip", "group_norms"]
+
+
+class Unscaling(Protocol):
+    """What clipping needs of the scaler (:class:`~.scaler.GradScaler` implements it)."""
+
+    def _clip_stage(self, optimizer: torch.optim.Optimizer) -> OptState:
+        """READY (not unscaled yet this iteration), UNSCALED or STEPPED; UNSCALED with scaling off."""
+
+    def _clip_unscale(self, optimizer: torch.optim.Optimizer,
+                      with_norm: bool = False) -> tuple[FlatGrads | None, torch.Tensor | None]:
+        """Unscale and check; the arena whose buffers were unscaled (or None), and with ``with_norm``
+        the fp32 sum of squares of the unscaled gradients, measured in the same pass."""
+
+    def _clip_one_pass(self) -> bool:
+        """Whether the kernel measures the norm while it unscales."""
+
+    def _clip_total(self, total: torch.Tensor) -> torch.Tensor:
+        """The norm as the step will see it (inf where the scale underflowed)."""
 
 
 def params_with_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -32,10 +49,10 @@ def params_with_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return params
 
 
-def group_norms(scaler: GradScaler, optimizer: torch.optim.Optimizer, norm_type: float) -> tuple[torch.Tensor, ...]:
+def group_norms(scaler: Unscaling, optimizer: torch.optim.Optimizer, norm_type: float) -> tuple[torch.Tensor, ...]:
     """Each parameter group's gradient norm, unscaled, before the clip."""
-    if scaler._stage(optimizer) is OptState.READY:
-        scaler._unscale(optimizer)
+    if scaler._clip_stage(optimizer) is OptState.READY:
+        scaler._clip_unscale(optimizer)
     norms = []
     for group in optimizer.param_groups:
         grads = [p.grad for p in group["params"] if p.grad is not None]
@@ -49,35 +66,31 @@ def group_norms(scaler: GradScaler, optimizer: torch.optim.Optimizer, norm_type:
     return tuple(norms)
 
 
-def clip(scaler: GradScaler, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+def clip(scaler: Unscaling, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
     """:meth:`GradScaler.clip_grad_norm_` once its arguments are checked: the total norm."""
-    arena = flat_grads_of(optimizer)
+    arena: FlatGrads | None = getattr(optimizer, ARENA_ATTR, None)
     # without an arena, the walk (and sparse coalescing) comes first, as torch's recipe has it
     params = params_with_grads(optimizer) if arena is None else None
-    stage = scaler._stage(optimizer)
-    if stage is not OptState.READY or not (norm_type == 2.0 and scaler.backend.kernel.one_pass_norm):
+    stage = scaler._clip_stage(optimizer)
+    if stage is not OptState.READY or not (norm_type == 2.0 and scaler._clip_one_pass()):
         if stage is OptState.READY:
-            scaler._unscale(optimizer)  # sets scaler._arena: the buffers hold the gradients, or not
-        elif arena is not None:
-            scaler._arena = arena if arena.attached() else None
-        if arena is not None and scaler._arena is arena:
+            in_buffers, _ = scaler._clip_unscale(optimizer)  # the buffers hold the gradients, or not
+        else:
+            in_buffers = arena if arena is not None and arena.attached() else None
+        if arena is not None and in_buffers is arena:
             total = _clip_flat(arena, max_norm, norm_type)
         else:
             holders = _dense_grad_holders(params_with_grads(optimizer) if params is None else params)
             total = torch.nn.utils.clip_grad_norm_(holders, max_norm, norm_type=norm_type)
-        return scaler._inf_when_scale_underflowed(total)
-    scale, _ = scaler._check_scale_growth_tracker("clip_grad_norm_")
-    state = scaler._per_optimizer_states[id(optimizer)]
-    inv_scale = scaler._inv_scale(scale)
-    norm_sq = torch.zeros((), dtype=torch.float32, device=scale.device)
-    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-    state["found_inf_per_device"] = scaler._grad_op(optimizer, inv_scale, found_inf, False, norm_sq)
-    total = scaler._inf_when_scale_underflowed(norm_sq.sqrt())
+        return scaler._clip_total(total)
+    in_buffers, norm_sq = scaler._clip_unscale(optimizer, with_norm=True)
+    assert norm_sq is not None
+    total = scaler._clip_total(norm_sq.sqrt())
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    if scaler._arena is not None:
-        for flat in scaler._arena.groups:
+    if in_buffers is not None:
+        for flat in in_buffers.groups:
             torch._foreach_mul_([flat.buffer], coef.to(flat.device))
-        scaler._arena.after_multiply()
+            flat.dirty = True  # the coefficient may be NaN
     else:
         if params is None:  # an arena whose gradients were not in place
             params = params_with_grads(optimizer)
@@ -87,7 +100,6 @@ def clip(scaler: GradScaler, optimizer: torch.optim.Optimizer, max_norm: float, 
             for g in grads:
                 if g.is_sparse:
                     g.mul_(c)
-    state["stage"] = OptState.UNSCALED
     return total
 
 
@@ -112,7 +124,7 @@ def _clip_flat(arena: FlatGrads, max_norm: float, norm_type: float) -> torch.Ten
             torch._foreach_mul_([flat.buffer], c)
         else:
             flat.buffer.mul_(c)
-    arena.after_multiply()
+        flat.dirty = True  # the coefficient may be NaN
     return total
 
 

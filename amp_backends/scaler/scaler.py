@@ -1,65 +1,50 @@
-"""``torch.amp.GradScaler`` whose unscale and inf/NaN checks run on the backend's ops.
+"""``torch.amp.GradScaler`` whose unscale and inf/NaN checks run on the backend's op.
 
 :class:`GradScaler` subclasses torch's scaler the way torch's own ``ShardedGradScaler`` does:
 stages, per-device caching, the update op, the fused-optimizer protocols, pickling and the
-state_dict are torch's. It overrides only where the backend acts (the unscale + inf/NaN check and
-the read-only check before a fused step run as one backend op, :meth:`Backend.grad_op_`), and where
-a fused kernel ignores ``found_inf`` (the scaler unscales and skips itself). What it adds lives in
-modules of its own: counters and the skip signal (:mod:`.telemetry`), clipping (:mod:`.clipping`),
-argument and state checks (:mod:`.validation`), agreement across ranks (:mod:`.consensus`).
+state_dict are torch's. It overrides only where the backend acts: the gradient op
+(:class:`~.gradwork.GradientOp`) and the plan each optimizer's step follows (:mod:`.plans`, decided
+once per optimizer). What it adds lives in modules of its own: counters and the skip signal
+(:mod:`.telemetry`), clipping (:mod:`.clipping`), argument and state checks (:mod:`.validation`).
 
-Under ``torch.compile`` its methods run eagerly, as torch's do (:mod:`.eager`): a compiled training
-step holding ``scale``/``step``/``update`` compiles, and ``optimizer.step()`` is compiled as torch's
-scaler lets it be.
+Under ``torch.compile`` its methods run eagerly, as torch's do (:mod:`amp_backends.eager`): a compiled
+training step holding ``scale``/``step``/``update`` compiles, and ``optimizer.step()`` is compiled as
+torch's scaler lets it be.
 """
 
 from __future__ import annotations
 
-import inspect
+import weakref
 from collections import defaultdict
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from . import clipping
-from . import consensus
-from ..devices import fused as fused_kernels
-from ..gradients.arena import FlatGrads
-from ..backend import provide
+from ..devices.contract import Device
 from ..eager import eager, eager_frame
-from ..gradients.collect import collect
+from ..registry.registry import kernel_for, resolve_backend
+from . import clipping, plans
+from .checkpointing import Checkpointing
+from .gradwork import GradientOp
+from .plans import sum_on
 from .telemetry import ScalerStats, Telemetry
 from .validation import (
     check_factors,
     check_new_scale,
     check_process_group,
     clip_args,
-    f32,
     flag,
     scalar_arg,
-    validate_state_dict,
 )
 
 if TYPE_CHECKING:
-    from ..backend import Backend
+    from ..gradients.arena import FlatGrads
 
 __all__ = ["GradScaler", "ScalerStats"]
 
-_CLOSURE = "Closure use is not currently supported if GradScaler is enabled."
-# How an optimizer's step goes (GradScaler._before_step): scaling off (with or without check_finite);
-# unscaled and skipped from the host (a plain optimizer; a fused one whose kernel is not trusted with
-# found_inf); skipped on the device (fused); or the optimizer's own step(grad_scaler=...) protocol.
-_UNSCALED, _CHECKED, _PLAIN, _HOST, _FUSED, _GRAD_SCALER = "unscaled", "checked", "plain", "host", "fused", "grad_scaler"
 
-
-def _sum_on(found: Mapping[torch.device, torch.Tensor], device: torch.device) -> torch.Tensor:
-    tensors = [t.to(device, non_blocking=True) for t in found.values()]
-    return tensors[0] if len(tensors) == 1 else torch.stack(tensors).sum()
-
-
-class GradScaler(torch.amp.GradScaler):
+class GradScaler(Checkpointing, torch.amp.GradScaler):
     """Dynamic loss scaler (a ``torch.amp.GradScaler``) whose gradient ops are the backend's.
 
     Args:
@@ -79,12 +64,10 @@ class GradScaler(torch.amp.GradScaler):
 
     #: whether this iteration's first scale() ran the backend's on_scale hook
     _iteration_open = False
-    #: a device-wide overflow status seen this iteration (shared by every optimizer of it)
-    _status_overflow = False
 
     def __init__(
         self,
-        backend: str | Backend | torch.device | None = None,
+        backend: str | Device | torch.device | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -96,16 +79,13 @@ class GradScaler(torch.amp.GradScaler):
         process_group: Any = None,
         dynamic: bool = True,
     ) -> None:
-        from ..registry.registry import resolve_backend
-
         enabled = flag("enabled", enabled)
         self._check_finite = flag("check_finite", check_finite)
         self._dynamic = flag("dynamic", dynamic)
         init_scale, growth_factor, backoff_factor = map(scalar_arg, (init_scale, growth_factor, backoff_factor))
         check_factors(init_scale, growth_factor, backoff_factor, growth_interval, ValueError)
         check_process_group(process_group)
-        self.backend: Backend = resolve_backend(backend, device)
-        self._process_group = process_group
+        self.backend: Device = resolve_backend(backend, device)
         super().__init__(
             self.backend.device_type,
             init_scale=float(init_scale),
@@ -119,8 +99,8 @@ class GradScaler(torch.amp.GradScaler):
             self._backoff_factor, self._growth_interval = float(backoff_factor), int(growth_interval)
             self._init_growth_tracker = 0
         self._telemetry = Telemetry(float(init_scale))
-        #: the arena whose buffers the last gradient op ran on (None: the per-tensor path)
-        self._arena: FlatGrads | None = None
+        self._grads = GradientOp(self.backend, process_group)
+        self._plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, plans.Plan] = weakref.WeakKeyDictionary()
 
     # -- where the backend acts ---------------------------------------------------------
     @eager
@@ -134,102 +114,23 @@ class GradScaler(torch.amp.GradScaler):
             self.backend.on_scale(self)
         return super().scale(outputs)
 
-    def _inv_scale(self, scale: torch.Tensor) -> torch.Tensor:
-        """1/scale as torch computes it (in float64), or in float32 where the device has no float64."""
-        return scale.double().reciprocal().float() if self.backend.has_fp64 else scale.reciprocal()
-
     @eager
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale (torch's ``unscale_``, on the backend's
         op; 1/scale in float32 where the device has no float64) and record found_inf."""
         if self._enabled:
-            self._unscale(optimizer)
+            plans.unscale(self, optimizer)
 
-    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
-        scale, _ = self._check_scale_growth_tracker("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state["found_inf_per_device"] = self._grad_op(optimizer, self._inv_scale(scale), found_inf, False)
-        state["stage"] = OptState.UNSCALED
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
-        return self._grad_op(optimizer, inv_scale, found_inf, allow_fp16)
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        return self._grads.run(optimizer, None, found_inf, allow_fp16, inv_scale=inv_scale)[0]
 
     @eager
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._grad_op(optimizer, None, found_inf, True)
-        return state["found_inf_per_device"]
-
-    def _grad_op(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor | None,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
-        norm_sq: torch.Tensor | None = None,
-    ) -> dict[torch.device, torch.Tensor]:
-        """The step's gradient work: the optimizer's gradients (its arena's buffers, or one walk),
-        one backend op over them, then agreement across ranks. ``inv_scale`` None is a read-only
-        check; ``norm_sq`` also receives the fp32 sum of squares. Returns found_inf per device."""
-        groups, arena = collect(optimizer, allow_fp16, norm_sq is not None)
-        self._arena = arena if groups else None
-        found = self.backend.grad_op_(groups, found_inf, inv_scale, norm_sq)
-        if self._arena is not None and inv_scale is not None:
-            self._arena.after_multiply(finite=self._scale_known_normal())
-        if self.backend.global_overflow_status:
-            if not found and consensus.ranks_agree_on_status(self._process_group):
-                # no gradient on this rank: it reads its status and still takes part in the agreement the
-                # other ranks wait in (torch_npu always all-reduces)
-                self.backend.read_overflow_status_(found_inf)
-                found = {found_inf.device: found_inf}
-            if found:
-                self._status_overflow = consensus.share_status(found, self._status_overflow, self._process_group)
-        elif self._process_group is not None:
-            consensus.agree(found, self._process_group)
-        return found
-
-    def _scale_known_normal(self) -> bool:
-        """Whether the host knows the scale is at least 1e-30 (so 1/scale is finite) without a read."""
-        mirror = self._telemetry.mirror
-        return mirror is not None and mirror[0] >= 1e-30
+        return plans.check(self, optimizer)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._scale is None or self._growth_tracker is None:
-            raise RuntimeError(
-                f"GradScaler.{funcname}() called before scale(): call scaler.scale(loss).backward() "
-                "earlier in the iteration."
-            )
-        return self._scale, self._growth_tracker
-
-    def _stage(self, optimizer: torch.optim.Optimizer) -> OptState:
-        return self._per_optimizer_states[id(optimizer)]["stage"] if self._enabled else OptState.UNSCALED
-
-    def _refuse_unrunnable(self, optimizer: torch.optim.Optimizer) -> None:
-        """A fused optimizer the device cannot run at all is refused before anything changes."""
-        kernel = self.backend.fused_kernel(optimizer)
-        if kernel.status in (fused_kernels.ABSENT, fused_kernels.REFUSED):
-            raise RuntimeError(
-                f"{type(optimizer).__name__}(fused=True) cannot run on {self.backend.name!r} "
-                f"({kernel.status}): {kernel.note}"
-            )
-
-    def _fused(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` gets ``grad_scale``/``found_inf`` and skips on the device: it
-        supports AMP scaling, and the backend's fused kernel for it honours found_inf."""
-        return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and self.backend.fused_honours_found_inf(optimizer)
+        return plans.scale_of(self, funcname), self._growth_tracker  # type: ignore[return-value]
 
     # -- step -----------------------------------------------------------------------------
     @eager_frame
@@ -244,119 +145,44 @@ class GradScaler(torch.amp.GradScaler):
         Under torch.compile this frame is not traced, and ``optimizer.step()`` is compiled as a
         frame of its own, as with torch's scaler.
         """
-        route, skipped, args, kwargs = self._before_step(optimizer, args, kwargs)
-        if route == _GRAD_SCALER:  # the optimizer's step takes grad_scaler=: torch's protocol
+        plan, skipped, args, kwargs = self._before_step(optimizer, args, kwargs)
+        if not plan.calls_step:  # the optimizer's own step(grad_scaler=...): torch's protocol runs it
             result = super().step(optimizer, *args, **kwargs)
         else:
             try:
                 result = None if skipped else optimizer.step(*args, **kwargs)
             finally:
-                if route == _FUSED:
+                if plan.hands_over:  # grad_scale and found_inf were set on the optimizer for this step only
                     optimizer.__dict__.pop("grad_scale", None)
                     optimizer.__dict__.pop("found_inf", None)
-        self._after_step(route, optimizer, skipped)
+        self._after_step(plan, optimizer, skipped)
         return result
 
     @eager
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-                     ) -> tuple[str, bool | None, tuple[Any, ...], dict[str, Any]]:
-        """How this optimizer's step goes, and what it needs before ``optimizer.step()``: whether
-        it is skipped (None: it runs and is not counted as a checked step), and its arguments."""
-        if not self._enabled:
-            if not self._check_finite:
-                return _UNSCALED, False, args, kwargs
-            skipped, kwargs = self._checked_step(optimizer, args, kwargs)
-            return _CHECKED, skipped, (), kwargs
-        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        if fused:
-            self._refuse_unrunnable(optimizer)
-        if fused and self._fused(optimizer) and "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            return _GRAD_SCALER, False, args, kwargs
-        if "closure" in kwargs:
-            raise RuntimeError(_CLOSURE)
-        scale, _ = self._check_scale_growth_tracker("step")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
-        if not fused:  # torch's plain path: unscale, then skip from the host (the step's one sync)
-            if state["stage"] is OptState.READY:
-                self._unscale(optimizer)
-            if not state["found_inf_per_device"]:
-                raise AssertionError("No inf checks were recorded for this optimizer.")
-            return _PLAIN, self._found_any(state), args, kwargs
-        if not self._fused(optimizer):  # a fused kernel not trusted with found_inf: skipped (or unscaled)
-            # from here, with what torch's fused protocol leaves: a skipped step's gradients untouched
-            if state["stage"] is OptState.READY:
-                self._check_inf_per_device(optimizer)
-                if not state["found_inf_per_device"]:
-                    raise AssertionError("No inf checks were recorded for this optimizer.")
-                if self._found_any(state):
-                    return _HOST, True, args, kwargs
-                found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-                state["found_inf_per_device"] = self._grad_op(optimizer, self._inv_scale(scale), found_inf, True)
-                state["stage"] = OptState.UNSCALED
-            if not state["found_inf_per_device"]:
-                raise AssertionError("No inf checks were recorded for this optimizer.")
-            return _HOST, self._found_any(state), args, kwargs
-        # torch's grad_scale/found_inf protocol as torch 2.5+ runs it, on every torch: after unscale_
-        # a grad_scale set on the optimizer is applied
-        if state["stage"] is OptState.READY:
-            self._check_inf_per_device(optimizer)
-            grad_scale = scale * getattr(optimizer, "grad_scale", 1)
-        else:
-            grad_scale = getattr(optimizer, "grad_scale", None)
-        found = state["found_inf_per_device"]
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = _sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]
-        return _FUSED, False, args, kwargs
+                     ) -> tuple[plans.Plan, bool | None, tuple[Any, ...], dict[str, Any]]:
+        """The plan this optimizer's step follows (chosen at its first step), and what it does before
+        ``optimizer.step()``: whether the step is skipped, and its arguments."""
+        plan = self._plan(optimizer)
+        return (plan, *plan.before(self, optimizer, args, kwargs))
 
-    def _checked_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> tuple[bool | None, dict[str, Any]]:
-        """Scaling off, ``check_finite`` on: the gradients are checked before the step."""
-        # frameworks pass the closure slot empty, by keyword or by position (Accelerate:
-        # ``scaler.step(optimizer, closure)`` with closure None): only a real closure is refused
-        kwargs = dict(kwargs)
-        closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[0] if args else None)
-        if closure is not None or len(args) > 1:
-            raise RuntimeError(
-                "check_finite=True checks gradients before optimizer.step(), but a closure would compute "
-                "them inside it: run the closure (forward and backward) before scaler.step(optimizer)."
-            )
-        first = next((p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
-        if first is None:
-            return None, kwargs
-        found = self._grad_op(optimizer, None, torch.zeros((), dtype=torch.float32, device=first.device), True)
-        return bool(_sum_on(found, first.device).item()), kwargs
+    def _plan(self, optimizer: torch.optim.Optimizer) -> plans.Plan:
+        """The plan ``optimizer``'s step follows now (chosen at its first step, then kept)."""
+        plan = self._plans.get(optimizer)
+        if plan is None:
+            plan = self._plans[optimizer] = plans.choose(self, optimizer)
+        return plan.current(optimizer)
 
     @eager
-    def _after_step(self, route: str, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
-        if skipped is None:  # check_finite with no gradient at all: the optimizer ran, nothing was checked
-            self._telemetry.nothing_stepped()
-            return
-        if route in (_UNSCALED, _CHECKED, _PLAIN, _HOST):
-            self._telemetry.stepped(optimizer, skipped)
-            if route in (_PLAIN, _HOST):
-                self._per_optimizer_states[id(optimizer)]["stage"] = OptState.STEPPED
-            return
-        state = self._per_optimizer_states[id(optimizer)]
-        state["stage"] = OptState.STEPPED
-        found = state["found_inf_per_device"]
-        if found:  # the optimizer skipped on the device: the flag stays there until someone reads it
-            self._telemetry.stepped_on_device(optimizer, _sum_on(found, next(iter(found))) > 0)
-        else:  # no parameter had a gradient: nothing stepped, nothing skipped
-            self._telemetry.nothing_stepped()
-
-    def _found_any(self, optimizer_state: dict[str, Any]) -> bool:
-        """Whether found_inf is set on any device (a host read: the step's one sync)."""
-        found = optimizer_state["found_inf_per_device"]
-        return bool(_sum_on(found, next(iter(found))).item())
+    def _after_step(self, plan: plans.Plan, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
+        plan.after(self, optimizer, skipped)
 
     @eager
     def ensure_unscaled_(self, optimizer: torch.optim.Optimizer) -> None:
         """``unscale_(optimizer)`` unless this iteration already unscaled it (or scaling is off):
         for framework code that unscales before clipping and cannot know whether it already did."""
         if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-            self._unscale(optimizer)
+            plans.unscale(self, optimizer)
 
     @eager
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool | None:
@@ -370,13 +196,12 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             if not self._check_finite:
                 return None
-            found = self._grad_op(optimizer, None, torch.zeros(()), True, None)
-            return bool(found) and bool(_sum_on(found, next(iter(found))).item() > 0)
-        state = self._per_optimizer_states[id(optimizer)]
-        found = state["found_inf_per_device"]
-        if state["stage"] is OptState.READY or not found:
+            found, _ = self._grads.run(optimizer, None, torch.zeros(()), True)
+            return bool(found) and bool(sum_on(found, next(iter(found))).item() > 0)
+        record = plans.Record(self, optimizer)
+        if record.stage is OptState.READY or not record.found:
             return None
-        return bool(_sum_on(found, next(iter(found))).item() > 0)
+        return bool(sum_on(record.found, next(iter(record.found))).item() > 0)
 
     # -- clipping -------------------------------------------------------------------------
     @eager
@@ -407,7 +232,7 @@ class GradScaler(torch.amp.GradScaler):
                 "call scaler.clip_grad_norm_(optimizer, max_norm) (the scaler unscales per optimizer)"
             )
         max_norm, norm_type = clip_args(max_norm, norm_type)
-        if self._stage(optimizer) is OptState.STEPPED:
+        if self._enabled and plans.Record(self, optimizer).stage is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step(): clip between backward and "
                                "scaler.step(optimizer), before update()")
         groups = clipping.group_norms(self, optimizer, norm_type) if flag("per_group", per_group) else None
@@ -416,8 +241,21 @@ class GradScaler(torch.amp.GradScaler):
         self._telemetry.group_grad_norms = groups
         return total
 
-    def _inf_when_scale_underflowed(self, total: torch.Tensor) -> torch.Tensor:
-        if self._status_overflow:  # a device-wide status said overflow: the values are saturated
+    # -- what clipping asks of the scaler (clipping.Unscaling) ---------------------------
+    def _clip_stage(self, optimizer: torch.optim.Optimizer) -> OptState:
+        return plans.Record(self, optimizer).stage if self._enabled else OptState.UNSCALED
+
+    def _clip_unscale(self, optimizer: torch.optim.Optimizer,
+                      with_norm: bool = False) -> tuple[FlatGrads | None, torch.Tensor | None]:
+        return plans.unscale(self, optimizer, with_norm, "clip_grad_norm_" if with_norm else "unscale_")
+
+    def _clip_one_pass(self) -> bool:
+        return bool(kernel_for(self.backend).one_pass_norm)
+
+    def _clip_total(self, total: torch.Tensor) -> torch.Tensor:
+        """The norm as the step will see it: inf where the scale underflowed to 0, or where a
+        device-wide status said overflow (the values are saturated)."""
+        if self._grads.status_overflow:
             return torch.full_like(total, float("inf"))
         if not self._enabled or self._scale is None:
             return total
@@ -430,9 +268,9 @@ class GradScaler(torch.amp.GradScaler):
         or set it to ``new_scale`` (a positive number or a one-element tensor)."""
         if not self._enabled:
             self._telemetry.updated_disabled()
-            self._iteration_open = self._status_overflow = False
+            self._iteration_open = self._grads.status_overflow = False
             return
-        scale, _ = self._check_scale_growth_tracker("update")
+        scale = plans.scale_of(self, "update")
         tel = self._telemetry
         if new_scale is not None:
             value = check_new_scale(new_scale, scale.device)
@@ -448,14 +286,14 @@ class GradScaler(torch.amp.GradScaler):
             host = [tel.step_flags.get(k) for k, _ in stepped]
             overflow: bool | torch.Tensor = any(host)
             if any(h is None for h in host):  # a fused step skipped on the device: read nothing, keep the flag there
-                overflow = torch.stack([_sum_on(s["found_inf_per_device"], scale.device) for _, s in stepped]).sum() > 0
+                overflow = torch.stack([sum_on(s["found_inf_per_device"], scale.device) for _, s in stepped]).sum() > 0
             if self._dynamic:
                 super().update()
             else:  # static loss scaling: the scale stays; only the iteration's state is reset
                 self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
             factors = (self._growth_factor, self._backoff_factor, self._growth_interval) if self._dynamic else None
             tel.updated(overflow, factors, scale)
-        self._iteration_open = self._status_overflow = False
+        self._iteration_open = self._grads.status_overflow = False
 
     # -- signals and stats ----------------------------------------------------------------
     @property
@@ -496,54 +334,5 @@ class GradScaler(torch.amp.GradScaler):
         check_factors(1.0, 2.0, 0.5, new_interval, ValueError)
         super().set_growth_interval(int(new_interval))
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's state_dict; plus ``"dynamic"`` (whether the scale moves) where the backend says
-        its vendor's scaler requires it to load one (torch_npu's; torch's ignores the extra key)."""
-        state = super().state_dict()
-        if self._enabled and self.backend.state_dict_dynamic:
-            state["dynamic"] = self._dynamic
-        return state
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a state_dict from this scaler, ``torch.amp.GradScaler`` or torch_npu's scaler (whose
-        ``"dynamic"`` is taken, as torch_npu takes it); a malformed one raises StateDictError and
-        changes nothing."""
-        if not self._enabled:
-            return
-        values = validate_state_dict(state_dict)
-        super().load_state_dict(values)
-        self._dynamic = values.get("dynamic", self._dynamic)
-        self._telemetry.mirror = (f32(values["scale"]), values["_growth_tracker"])
-
-    def __getstate__(self) -> dict[str, Any]:
-        pg = self._process_group
-        if pg is not None and pg != "world":
-            raise TypeError(
-                "a GradScaler holding a process group object cannot be pickled: pickle its state_dict(), "
-                "or build it with process_group='world'."
-            )
-        state = super().__getstate__()
-        state["backend"] = self.backend.name  # resolved again from the registry on load
-        state["_arena"] = None
-        state["_telemetry"] = self._telemetry.for_pickling(self._enabled, state["_init_scale"],
-                                                           state.get("_init_growth_tracker", 0))
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        from ..registry.registry import get
-
-        state = dict(state)
-        state["backend"] = get(state["backend"])
-        super().__setstate__(state)
-
     def __repr__(self) -> str:
         return f"<GradScaler backend={self.backend.name!r} enabled={self._enabled}>"
-
-
-def _for_backend(backend: Backend, needs_scaling: bool, kwargs: dict[str, Any]) -> GradScaler:
-    """``Backend.grad_scaler``: scaling on where the dtype needs it and the caller allows it."""
-    kwargs["enabled"] = flag("enabled", kwargs.get("enabled", True)) and needs_scaling
-    return GradScaler(backend, **kwargs)
-
-
-provide("grad_scaler", _for_backend)  # Backend.grad_scaler builds this class without importing it

@@ -1,0 +1,64 @@
+"""The scaler's gradient op over one optimizer: its gradients (the arena's buffers, or one walk),
+the device's op through the executor, and found_inf agreed on across ranks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..devices.contract import Device
+from ..gradients import executor
+from ..gradients.collect import collect
+from ..gradients.kernel import Kernel
+from ..registry.registry import kernel_for
+from . import consensus
+
+if TYPE_CHECKING:
+    from ..gradients.arena import FlatGrads
+
+__all__ = ["GradientOp"]
+
+
+class GradientOp:
+    """One scaler's gradient op on ``device``, agreeing over ``process_group`` (None: no agreement;
+    ``"world"``: the default group)."""
+
+    def __init__(self, device: Device, process_group: Any) -> None:
+        self.device = device
+        self.process_group = process_group
+        #: a device-wide overflow status seen this iteration (shared by every optimizer of it)
+        self.status_overflow = False
+        #: the kernel the op runs on, settled at the first op (the registry's choice, or one pinned on the backend)
+        self.kernel: Kernel | None = None
+
+    def inv_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """1/scale as torch computes it (in float64), or in float32 where the device has no float64."""
+        return scale.double().reciprocal().float() if self.device.has_fp64 else scale.reciprocal()
+
+    def run(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor | None, found_inf: torch.Tensor,
+            allow_fp16: bool, norm_sq: torch.Tensor | None = None, scale_known_normal: bool = False, *,
+            inv_scale: torch.Tensor | None = None) -> tuple[dict[torch.device, torch.Tensor], FlatGrads | None]:
+        """Unscale ``optimizer``'s gradients by 1/``scale`` and check them (``scale`` None: check only),
+        adding the fp32 sum of squares to ``norm_sq`` when given. ``scale_known_normal``: the caller knows
+        1/scale is finite; ``inv_scale``: 1/scale computed by the caller (torch's ``_unscale_grads_``).
+        Returns found_inf per device and the arena whose buffers the op ran on (None:
+        a walk found the gradients)."""
+        groups, arena = collect(optimizer, allow_fp16, norm_sq is not None)
+        if self.kernel is None:
+            self.kernel = kernel_for(self.device)
+        if inv_scale is None and scale is not None:
+            inv_scale = self.inv_scale(scale)
+        found = executor.run_(self.device, self.kernel, groups, found_inf, inv_scale, norm_sq,
+                              factor_finite=scale_known_normal)
+        if self.device.global_overflow_status:
+            if not found and consensus.ranks_agree_on_status(self.process_group):
+                # no gradient on this rank: it reads its status and still takes part in the agreement the
+                # other ranks wait in (torch_npu always all-reduces)
+                self.device.read_overflow_status_(found_inf)  # type: ignore[attr-defined]
+                found = {found_inf.device: found_inf}
+            if found:
+                self.status_overflow = consensus.share_status(found, self.status_overflow, self.process_group)
+        elif self.process_group is not None:
+            consensus.agree(found, self.process_group)
+        return found, (arena if groups else None)
