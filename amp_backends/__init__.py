@@ -9,8 +9,7 @@
 
 from __future__ import annotations
 
-from .gradients.arena import FlatGrads, flat_grads
-from .backend import Backend
+from .backend import Backend, get
 from .errors import (
     AmpBackendsError,
     BackendUnavailableError,
@@ -21,33 +20,42 @@ from .errors import (
     UnknownBackendError,
     UnsupportedDtypeError,
 )
-from .registry.hookspecs import hookimpl, hookspec
 from .gradients.kernel import Kernel, TorchKernel
-from .precision.autocast_module import AutocastModule, autocast_module
-from .precision.policy import RECIPE, PrecisionPolicy, precision_policy
-from .registry.registry import available, get, names, plugins, register_plugin, reload, reprobe
-from .scaler.scaler import GradScaler, ScalerStats
+from .registry.hookspecs import hookimpl, hookspec
+from .registry.registry import available, names, plugins, register_plugin, reload, reprobe
 
 __version__ = "0.1.0"
-
 
 #: Submodules reached as attributes, imported on first use: name -> module.
 _LAZY_SUBMODULES = {"check": "inspector.check", "checkpoint": "checkpoint", "distributed": "distributed",
                     "info": "cli.info", "testing": "testing"}
-#: The inspector's names, imported on first use: name -> module.
-_LAZY_NAMES = {"check_model": "inspector.check", "ModelReport": "inspector.report",
-               "detect_nonfinite": "inspector.nonfinite", "NonFiniteReport": "inspector.nonfinite"}
+#: What a training loop may not use, imported on first use (keeps ``import amp_backends`` cheap): name -> module.
+_LAZY_NAMES = {
+    "GradScaler": "scaler.scaler", "ScalerStats": "scaler.telemetry",
+    "FlatGrads": "gradients.arena", "flat_grads": "gradients.arena",
+    "RECIPE": "precision.policy", "PrecisionPolicy": "precision.policy", "precision_policy": "precision.policy",
+    "AutocastModule": "precision.autocast_module", "autocast_module": "precision.autocast_module",
+    "check_model": "inspector.check", "ModelReport": "inspector.report",
+    "detect_nonfinite": "inspector.nonfinite", "NonFiniteReport": "inspector.nonfinite",
+}
 
 
 def __getattr__(name: str) -> object:
-    """``amp_backends.distributed``, ``check_model`` and friends, imported on first use (keeps import cheap)."""
+    """``amp_backends.GradScaler``, ``precision_policy``, ``distributed`` and friends, imported on first use."""
     import importlib
 
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{_LAZY_SUBMODULES[name]}")
     if name in _LAZY_NAMES:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
+        globals()[name] = value  # asked once
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_NAMES) | set(_LAZY_SUBMODULES))
+
 
 __all__ = [
     "AmpBackendsError",
