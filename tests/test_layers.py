@@ -1,16 +1,33 @@
-"""The package's layering: no import circles between its modules (lazy imports included), and
-the backend contract imports neither the scaler nor the registry."""
+"""The package's layout keeps its rules: packages by concern in layers, each importing only the ones
+below it (function-level imports count), no import circles, no service locator, and modules and
+classes of a size a newcomer can read."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 import amp_backends
 
 PACKAGE = Path(amp_backends.__file__).resolve().parent
-# What may import what is read from the source: every import statement, wherever it stands
-# (a function-level import is a dependency too), of a sibling module of the package.
+
+#: The layers, lowest first: a module may import its own package and the packages of lower layers.
+LAYERS: list[set[str]] = [
+    {"errors", "eager", "console"},           # base utilities
+    {"devices"},                              # what a device is: the declarative contract
+    {"gradients"},                            # the gradient op: kernels, executor, arena
+    {"registry"},                             # plugin discovery: backends and kernels
+    {"scaler"},                               # the GradScaler and its step plans
+    {"backend"},                              # Backend: a device with grad_scaler() and its kernel
+    {"extension"},                            # ExtensionBackend: the base of PrivateUse1 vendors' backends
+    {"tracing", "checkpoint"},                # running a model to see what it does; checkpoints
+    {"precision", "distributed"},             # per-layer precision and fp8; process groups
+    {"inspector", "integrations"},            # check_model; Lightning, Accelerate, timm, Transformers
+    {"cli", "testing"},                       # the command line and tools; the conformance suite
+]
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
 def _name(path: Path) -> str:
@@ -27,8 +44,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                root = base[: len(base) - node.level + 1]
-                mod = ".".join(root + ([node.module] if node.module else []))
+                mod = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
             elif node.module and node.module.startswith("amp_backends"):
                 mod = node.module
             else:
@@ -40,9 +56,41 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
+def _modules() -> dict[str, Path]:
+    return {_name(p): p for p in PACKAGE.rglob("*.py") if "sim_packages" not in p.parts and p.stem != "__main__"}
+
+
 def _graph() -> dict[str, set[str]]:
-    modules = {_name(p): p for p in PACKAGE.rglob("*.py") if "sim_packages" not in p.parts and p.stem != "__main__"}
+    modules = _modules()
     return {name: {m for m in _imports(path, set(modules)) if m in modules and m != name} for name, path in modules.items()}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_package_has_a_layer_and_says_what_it_owns():
+    for name, path in _modules().items():
+        package = _package(name)
+        if package:
+            assert package in LAYER_OF, f"{name}: package {package!r} has no layer in tests/test_layers.py"
+        if path.name == "__init__.py" and package:
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            assert "May import" in doc or package in ("testing", "integrations"), f"{name} does not say what it may import"
+
+
+def test_each_module_imports_only_its_own_package_and_lower_layers():
+    wrong = []
+    for name, deps in _graph().items():
+        package = _package(name)
+        if not package:  # the package root re-exports the public API
+            continue
+        for dep in deps:
+            other = _package(dep)
+            if other != package and (not other or LAYER_OF[other] >= LAYER_OF[package]):
+                wrong.append(f"{name} -> {dep}")
+    assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))
 
 
 def test_no_import_circles_between_modules():
@@ -64,6 +112,28 @@ def test_no_import_circles_between_modules():
     for module in sorted(graph):
         if module not in state:
             visit(module)
+
+
+def test_no_service_locator():
+    """No layer is handed factories from above at import time: every dependency is an import."""
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert "provide" not in defined, f"{name} defines provide(): a service locator"
+
+
+@pytest.mark.parametrize(("limit", "kind"), [(500, "module"), (300, "class")])
+def test_modules_and_classes_stay_readable(limit, kind):
+    big = []
+    for name, path in _modules().items():
+        text = path.read_text()
+        if kind == "module" and text.count("\n") > limit:
+            big.append(f"{name}: {text.count(chr(10))} lines")
+        if kind == "class":
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit:
+                    big.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not big, f"over {limit} lines:\n" + "\n".join(big)
 
 
 def test_a_backend_still_builds_its_scaler_and_finds_its_kernel():

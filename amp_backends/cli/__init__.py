@@ -1,7 +1,8 @@
 """The ``amp-backends`` command and the tools behind it: ``demo``, ``bench``, ``info``, ``check``.
 
-Owns the command line (:mod:`.main`) and each command's module. Application code: it may import
-anything in the package; nothing in the package imports it.
+Owns the command line (:mod:`.main`) and each command's module.
+
+May import: anything in the package (it is application code); nothing in the package imports it.
 """
 
 from __future__ import annotations

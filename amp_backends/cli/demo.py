@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..checkpoint import io as checkpoint
 from ..backend import Backend
 from ..errors import AmpBackendsError, PerformanceWarning, UnsupportedDtypeError, first_line
-from .console import ProgressBar
+from ..console import ProgressBar
 from ..registry.registry import get
 
 KIND = "demo-digits-cnn"

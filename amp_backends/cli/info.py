@@ -147,7 +147,7 @@ def _fp8_engine(needed: bool) -> dict[str, Any]:
 
 def render(data: dict[str, Any], verbose: bool = False) -> str:
     """The human-readable report."""
-    from .console import render_table
+    from ..console import render_table
 
     out = [f"torch {data['torch']} ({data['cpu']}); best available backend: {data['best'] or 'none'}", ""]
     if data["env_error"]:

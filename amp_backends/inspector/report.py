@@ -166,7 +166,7 @@ class ModelReport:
 
     def table(self) -> str:
         """The per-module table the CLI prints (modules that ran something or were flagged)."""
-        from ..cli.console import render_table
+        from ..console import render_table
 
         shown = [r for r in self.rows if r.compute != "-" or r.backward_compute != "-" or r.fp32_reason
                  or r.misaligned or r.grads_underflow or r.params_over or r.grads_over or r.outputs_over

@@ -1,0 +1,100 @@
+"""A training step's walk through the package: ``GradScaler.step`` goes downward, layer by layer, each
+module entered from one place, and the kernel is the one callback into a plugin. Traced with
+``sys.setprofile`` on real steps (plain, arena, fused trusted, fused skipped from the host, clipped)."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+
+import pytest
+import torch
+
+import amp_backends
+from amp_backends.devices import fused
+
+#: The modules a step may enter, from the top: a call may only go to a module later in this list.
+ORDER = [
+    "amp_backends.scaler.scaler",
+    "amp_backends.scaler.plans",
+    "amp_backends.scaler.clipping",
+    "amp_backends.scaler.gradwork",
+    "amp_backends.scaler.consensus",
+    "amp_backends.scaler.telemetry",
+    "amp_backends.gradients.collect",
+    "amp_backends.gradients.arena",
+    "amp_backends.gradients.executor",
+    "amp_backends.gradients.kernel",
+    "amp_backends.gradients.groups",
+]
+
+
+def _walk(make_opt, arena=False, clip=False, backend=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = make_opt(model.parameters())
+    if arena:
+        amp_backends.flat_grads(opt)
+    scaler = (backend or amp_backends.get("cpu")).grad_scaler("float16")
+    calls: list[tuple[str, str]] = []
+    for step in range(3):  # the first step chooses the plan; later ones follow it
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(3, 4)).float().sum()).backward()
+        if clip:
+            scaler.clip_grad_norm_(opt, 1.0)
+
+        def profile(frame, event, arg):
+            if event != "call":
+                return
+            callee = frame.f_globals.get("__name__", "")
+            caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back else ""
+            if callee.startswith("amp_backends") and callee != caller and step == 2:
+                calls.append((caller, callee))
+
+        sys.setprofile(profile)
+        try:
+            scaler.step(opt)
+        finally:
+            sys.setprofile(None)
+        scaler.update()
+    return calls
+
+
+def _ignoring_backend():
+    be = copy.copy(amp_backends.get("cpu"))
+    be.fused_found_inf = {"adamw": (fused.IGNORES, "a stand-in that never reads found_inf")}
+    return be
+
+
+CASES = {
+    "sgd": dict(make_opt=lambda p: torch.optim.SGD(p, lr=0.1)),
+    "sgd, arena": dict(make_opt=lambda p: torch.optim.SGD(p, lr=0.1), arena=True),
+    "adamw fused": dict(make_opt=lambda p: torch.optim.AdamW(p, lr=0.1, fused=True)),
+    "adamw fused, skipped from the host": dict(make_opt=lambda p: torch.optim.AdamW(p, lr=0.1, fused=True),
+                                                backend="ignoring"),
+    "adam, clipped, arena": dict(make_opt=lambda p: torch.optim.Adam(p, lr=0.1), arena=True, clip=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_step_walks_downward_through_each_module_from_one_place(case):
+    kwargs = dict(CASES[case])
+    if kwargs.get("backend") == "ignoring":
+        kwargs["backend"] = _ignoring_backend()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calls = _walk(**kwargs)
+    inside = [(a, b) for a, b in calls if a.startswith("amp_backends")]
+    assert inside, "the step entered the package"
+    unknown = {b for _, b in calls} - set(ORDER)
+    assert not unknown, f"a step entered modules outside its path: {unknown}"
+    upward = [(a, b) for a, b in inside if ORDER.index(b) <= ORDER.index(a)]
+    assert not upward, f"calls that climb back up: {upward}"
+    parents: dict[str, set[str]] = {}
+    for a, b in inside:
+        parents.setdefault(b, set()).add(a)
+    shared = {b: p for b, p in parents.items() if len(p) > 1}
+    assert not shared, f"modules entered from more than one place: {shared}"
+    assert ("amp_backends.gradients.executor", "amp_backends.gradients.kernel") in inside or case.startswith("adam, "), \
+        "the kernel runs the op, called by the executor alone"
