@@ -93,6 +93,9 @@ def test_xpu_is_chosen_where_torch_reports_it(monkeypatch, fresh_registry):
     assert scaler.is_enabled() and scaler.backend is be
     from amp_backends.cli import info
 
+    # xpu declares fp8 on this torch (2.10+): info would import torchao, and torch._dynamo with it, under
+    # the patched torch.xpu; the engine's own check is tested in test_fp8.py
+    monkeypatch.setattr(info, "_fp8_engine", lambda needed: {"torchao": "0.18.0", "problem": None, "checked": needed})
     row = next(r for r in info.collect()["backends"] if r["name"] == "xpu")
     assert row["available"] and row["device"] == "Intel(R) Data Center GPU Max 1550 (torch.xpu, 2 device(s))"
 
@@ -368,8 +371,9 @@ def test_xpu_survives_failing_device_queries(monkeypatch, fresh_registry, failur
 
 
 # -- ROCm inside the cuda backend ------------------------------------------------------------------
-def _patch_rocm(monkeypatch, arch: str = "gfx942:sramecc+:xnack-", name: str = "AMD Instinct MI300X") -> None:
-    monkeypatch.setattr(torch.version, "hip", "6.2.41133-dd7f95766", raising=False)
+def _patch_rocm(monkeypatch, arch: str = "gfx942:sramecc+:xnack-", name: str = "AMD Instinct MI300X",
+                hip: str = "6.2.41133-dd7f95766") -> None:
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
     monkeypatch.setattr(torch.version, "cuda", None, raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -423,14 +427,101 @@ def test_cuda_declares_fp8_from_compute_capability_8_9(monkeypatch, capability, 
             amp_backends.precision.fp8.engine.check_device(be, "tensorwise", emulate=False)
 
 
-@pytest.mark.parametrize(("arch", "fp8"), [
-    ("gfx942:sramecc+:xnack-", ("float8_e4m3fnuz", "float8_e5m2fnuz")), ("gfx950", ("float8_e4m3fn", "float8_e5m2")),
-    ("gfx90a", ()), ("gfx1100", ()),
+_OCP, _FNUZ = ("float8_e4m3fn", "float8_e5m2"), ("float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+@pytest.mark.parametrize(("arch", "hip", "fp8", "said"), [
+    ("gfx942:sramecc+:xnack-", "6.2.41133", _FNUZ, None),
+    ("gfx950", "6.4.43482", (), "gfx950 takes OCP fp8, but this torch is built with ROCm 6.4"),
+    ("gfx950", "6.5.0", _OCP, None),
+    ("gfx1201", "6.3.42131", (), "gfx1201 takes OCP fp8, but this torch is built with ROCm 6.3"),
+    ("gfx1200", "7.0.51831", _OCP, None),
+    ("gfx90a", "6.5.0", (), "gfx90a is not among the AMD GPUs torch's _scaled_mm takes"),
+    ("gfx1100", "6.5.0", (), "gfx1100 is not among the AMD GPUs torch's _scaled_mm takes"),
 ])
-def test_rocm_declares_fp8_by_architecture(monkeypatch, arch, fp8):
-    _patch_rocm(monkeypatch, arch=arch)
+def test_rocm_declares_fp8_by_architecture_and_rocm_release(monkeypatch, arch, hip, fp8, said):
+    """torch's _scaled_mm_allowed_device and _scaled_mm_out_cuda (ScaledBlas.cpp): gfx942 in the fnuz
+    formats; gfx950 and gfx1200/1201 in the OCP formats from ROCm 6.5 (the release torch is built with,
+    torch.version.hip); refused below, naming the release to install."""
+    _patch_rocm(monkeypatch, arch=arch, hip=hip)
     be = cuda_plugin.CUDABackend()
     assert tuple(str(d).replace("torch.", "") for d in be.fp8_dtypes()) == fp8
+    if said is None:
+        assert be.fp8_unavailable_reason() is None
+    else:
+        with pytest.raises(amp_backends.precision.fp8.engine.Fp8UnavailableError) as info:
+            amp_backends.precision.fp8.engine.check_device(be, "tensorwise", emulate=False)
+        assert said in str(info.value) and "emulate=True" in str(info.value)
+
+
+@pytest.mark.parametrize(("release", "recipes"), [((2, 6), ("tensorwise",)),
+                                                   ((2, 7), ("tensorwise", "rowwise", "rowwise_with_gw_hp"))])
+def test_rocm_rowwise_fp8_from_torch_2_7(monkeypatch, release, recipes):
+    """Upstream torch's hipBLASLt rowwise fp8 (pytorch PR 144432) landed after the 2.6 branch cut."""
+    _patch_rocm(monkeypatch)
+    monkeypatch.setattr(cuda_plugin, "torch_release", lambda: release)
+    be = cuda_plugin.CUDABackend()
+    assert be.fp8_recipes() == recipes
+    if recipes == ("tensorwise",):
+        with pytest.raises(amp_backends.precision.fp8.engine.Fp8UnavailableError,
+                           match="runs the fp8 recipes 'tensorwise', not 'rowwise'"):
+            amp_backends.precision.fp8.engine.check_device(be, "rowwise", emulate=False)
+
+
+@pytest.mark.parametrize(("release", "kinds"), [((2, 12), ("adam", "adamw", "sgd")),
+                                                ((2, 13), ("adam", "adamw", "sgd", "adagrad"))])
+def test_cuda_declares_fused_adagrad_where_torch_enables_it(monkeypatch, release, kinds):
+    monkeypatch.setattr(cuda_plugin, "torch_release", lambda: release)
+    declared = cuda_plugin.CUDABackend().fused_found_inf
+    assert tuple(declared) == kinds and {v[0] for v in declared.values()} == {"honours"}
+
+
+@pytest.mark.parametrize(("release", "fp8", "kinds"), [
+    ((2, 5), (), ()), ((2, 9), (), ("adam", "adamw", "sgd")),
+    ((2, 10), _OCP, ("adam", "adamw", "sgd")), ((2, 13), _OCP, ("adam", "adamw", "sgd", "adagrad")),
+])
+def test_xpu_declares_fp8_and_fused_kernels_by_torch_release(monkeypatch, fresh_registry, release, fp8, kinds):
+    """torch-xpu-ops' fused kernels (skip and divide) from torch 2.6, Adagrad's from 2.13; the native
+    XPU _scaled_mm from torch 2.10 (before it, torch-xpu-ops ran it on the CPU)."""
+    _patch_xpu(monkeypatch)
+    _others_off(monkeypatch, "xpu")
+    monkeypatch.setattr(xpu_plugin, "_torch_release", lambda: release)
+    be = amp_backends.get("xpu")
+    assert tuple(be.fused_found_inf) == kinds and all(v[0] == "honours" for v in be.fused_found_inf.values())
+    assert tuple(str(d).replace("torch.", "") for d in be.fp8_dtypes()) == fp8
+    assert be.fp8_recipes() == (("tensorwise", "rowwise", "rowwise_with_gw_hp") if fp8 else ())
+    if not fp8:
+        with pytest.raises(amp_backends.precision.fp8.engine.Fp8UnavailableError) as info:
+            amp_backends.precision.fp8.engine.check_device(be, "tensorwise", emulate=False)
+        assert "backend 'xpu' (Intel(R) Data Center GPU Max 1550" in str(info.value)
+        assert "native XPU _scaled_mm came in torch 2.10" in str(info.value)
+
+
+@pytest.mark.parametrize(("generation", "fp8", "recipes", "said"), [
+    ("GAUDI", (), (), "has no fp8 matmul: Gaudi has no fp8"),
+    ("GAUDI2", _OCP, (), "has fp8 matmuls (_scaled_mm, float8_e4m3fn and float8_e5m2) that none of torchao's"),
+    ("GAUDI3", _OCP, ("tensorwise",), None),
+])
+def test_hpu_declares_fp8_by_gaudi_generation(monkeypatch, fresh_registry, generation, fp8, recipes, said):
+    """The Gaudi bridge registers _scaled_mm (hpu_op.yaml, scaled_mm_gen.cpp: e4m3fn and e5m2); its
+    tests skip first-generation Gaudi and run mixed e5m2 x e4m3fn (torchao's tensorwise backward) on
+    Gaudi 3 only, with one-element scales only. A refusal on Gaudi 2 says it has fp8 matmuls and names
+    Gaudi's own fp8 stack."""
+    _patch_hpu(monkeypatch, generation)
+    _others_off(monkeypatch, "hpu")
+    be = amp_backends.get("hpu")
+    assert tuple(str(d).replace("torch.", "") for d in be.fp8_dtypes()) == fp8 and be.fp8_recipes() == recipes
+    engine = amp_backends.precision.fp8.engine
+    if said is None:
+        engine.check_device(be, "tensorwise", emulate=False)
+        with pytest.raises(engine.Fp8UnavailableError, match="runs the fp8 recipes 'tensorwise', not 'rowwise'"):
+            engine.check_device(be, "rowwise", emulate=False)
+    else:
+        with pytest.raises(engine.Fp8UnavailableError) as info:
+            engine.check_device(be, "tensorwise", emulate=False)
+        assert said in str(info.value) and "transformer_engine" in str(info.value)
+        if generation == "GAUDI2":
+            assert "has no fp8 matmul" not in str(info.value), "Gaudi 2 has fp8 matmuls: the refusal says which it lacks"
 
 
 @pytest.mark.filterwarnings("ignore:kernel 'triton'")  # its self-check cannot run on a patched device

@@ -12,6 +12,7 @@ import torch
 
 import amp_backends
 from amp_backends.devices import fused
+from amp_backends.scaler import plans
 from amp_backends.testing import sim_packages_path
 
 from conftest import run_json
@@ -40,6 +41,31 @@ class AssertingAdam(torch.optim.Adam):
         return super().step(closure)
 
 
+class _ScaleBlind:
+    """Honours found_inf, never divides by grad_scale: a kernel that skips on the device and steps on
+    the gradients as they are (the defect torch's scaler cannot see)."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        handed = {k: self.__dict__.pop(k) for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        try:
+            found_inf = handed.get("found_inf")
+            if found_inf is not None and float(found_inf.item()) == 1:
+                return None
+            return super().step(closure)
+        finally:
+            self.__dict__.update(handed)
+
+
+class ScaleBlindSGD(_ScaleBlind, torch.optim.SGD):
+    pass
+
+
+class ScaleBlindAdam(_ScaleBlind, torch.optim.Adam):
+    pass
+
+
 class AbsentAdam(torch.optim.Adam):
     def step(self, closure=None):
         raise NotImplementedError("Could not run 'aten::_fused_adam_' with arguments from the 'PrivateUse1' backend.")
@@ -66,10 +92,30 @@ def test_the_probe_tells_each_behaviour_apart(cls, status):
         assert "vendor's FusedAdam" in kernel.note, "the extension's own message is kept"
 
 
+@pytest.mark.parametrize("make,status", [
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True), fused.HONOURS),
+    (lambda p: torch.optim.SGD(p, lr=0.1, fused=True), fused.HONOURS),
+    (lambda p: torch.optim.Adagrad(p, lr=0.1, fused=True), fused.HONOURS),
+    (lambda p: ScaleBlindSGD(p, lr=0.1), fused.SCALE_BLIND),
+    (lambda p: ScaleBlindSGD(p, lr=0.1, momentum=0.9), fused.SCALE_BLIND),
+    # Adam's step on a parameter barely depends on the gradient's scale: the probe compares its state too
+    (lambda p: ScaleBlindAdam(p, lr=0.1), fused.SCALE_BLIND),
+], ids=["sgd-momentum", "sgd", "adagrad", "scale-blind-sgd", "scale-blind-sgd-momentum", "scale-blind-adam"])
+def test_the_probe_tells_a_kernel_that_skips_and_divides_from_one_that_only_skips(make, status):
+    """Handed found_inf = 0 and grad_scale = 1024 with the gradient multiplied by it, torch's fused
+    kernels step as the unfused optimizer does on the unscaled gradient; a kernel that skips on found_inf
+    but never divides steps on the scaled one. The probe of torch's own kernels here is the reference."""
+    kernel = fused.probe(make([torch.nn.Parameter(torch.ones(3))]), torch.device("cpu"))
+    assert kernel.status == status, kernel
+    if status == fused.SCALE_BLIND:
+        assert "steps on the gradient still multiplied by grad_scale" in kernel.note
+
+
 def test_the_probe_also_covers_sgd_with_momentum_and_vendor_optimizers():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, momentum=0.9, fused=True)
     assert fused.probe(sgd, torch.device("cpu")).status == fused.HONOURS
     assert fused.kind_of(sgd) == "sgd" and fused.kind_of(_opt(torch.optim.AdamW)) == "adamw"
+    assert fused.kind_of(_opt(torch.optim.Adagrad)) == "adagrad"
     assert fused.kind_of(_opt(IgnoringAdam)) == "adam", "a subclass of Adam is an Adam"
     with pytest.raises(ValueError, match="one of honours, ignores"):
         fused.FusedKernel("trusted")
@@ -124,6 +170,102 @@ def test_torchs_own_scaler_trusts_the_ignoring_kernel_ours_does_not():
     assert results == {"torch": False, "ours": True}
 
 
+def _train(scaler, opt, model, steps=(False, True, False, False, True, False)):
+    """Steps on fixed data, the loss made inf on the steps marked True; the parameters after each."""
+    seen = []
+    for i, poison in enumerate(steps):
+        opt.zero_grad()
+        loss = (model(torch.linspace(-1, 1, 6).reshape(2, 3) * (i + 1)) ** 2).sum()
+        if poison:
+            loss = loss * torch.tensor(math.inf)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        seen.append([p.detach().clone() for p in model.parameters()])
+    return seen
+
+
+@pytest.mark.parametrize("cls,unfused", [(ScaleBlindSGD, {"momentum": 0.9}), (ScaleBlindSGD, {}),
+                                         (ScaleBlindAdam, {})],
+                         ids=["sgd-momentum", "sgd", "adam"])
+def test_a_scale_blind_kernel_trains_as_torchs_scaler_with_the_unfused_optimizer(cls, unfused):
+    """The oracle: torch.amp.GradScaler with the unfused optimizer. Ours probes the stand-in (it skips
+    on found_inf, never divides by grad_scale), unscales its gradients first and hands it found_inf with
+    grad_scale None: the parameters after every step, skipped ones too, are torch's. torch's own scaler,
+    handing it grad_scale, trains on gradients multiplied by the loss scale."""
+    base = (torch.optim.Adam if cls is ScaleBlindAdam else torch.optim.SGD)
+    runs = {}
+    for name in ("oracle", "ours", "torch"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        if name == "oracle":
+            opt = base(model.parameters(), lr=0.1, foreach=False, **unfused)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        else:
+            opt = cls(model.parameters(), lr=0.1, foreach=False, **unfused)
+            scaler = (amp_backends.GradScaler(_backend(), init_scale=2.0**10) if name == "ours" else
+                      torch.amp.GradScaler("cpu", init_scale=2.0**10))
+        runs[name] = _train(scaler, opt, model)
+        if name == "ours":
+            plan = scaler._plan(opt)
+            assert isinstance(plan, plans.UnscaledFused) and plan.kernel.status == fused.SCALE_BLIND, plan
+            assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
+    for step, (ours, oracle) in enumerate(zip(runs["ours"], runs["oracle"])):
+        assert all(torch.equal(a, b) for a, b in zip(ours, oracle)), f"step {step}: {ours} != {oracle}"
+    final = zip(runs["torch"][-1], runs["oracle"][-1])
+    assert not all(torch.allclose(a, b, rtol=1e-3) for a, b in final), "torch's scaler trusts the kernel with grad_scale"
+
+
+def test_a_scale_blind_declaration_unscales_first_and_gives_torchs_fused_result():
+    """Declared scale_blind, torch's own fused Adam (which would divide) is handed found_inf with
+    grad_scale None after the scaler unscaled: torch's result with the kernel dividing, bitwise (the
+    scale is a power of two: dividing and multiplying by the inverse agree)."""
+    runs = {}
+    for name, scaler in (("torch", lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10)),
+                         ("ours", lambda: amp_backends.GradScaler(_backend(adam=fused.SCALE_BLIND), init_scale=2.0**10))):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        runs[name] = _train(scaler(), _opt(torch.optim.Adam, model.parameters()), model)
+    for ours, theirs in zip(runs["ours"], runs["torch"]):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_a_grad_scale_set_on_an_optimizer_whose_kernel_ignores_it_is_refused():
+    model = torch.nn.Linear(3, 1)
+    opt = ScaleBlindSGD(model.parameters(), lr=0.1)
+    scaler = amp_backends.GradScaler(_backend(sgd=fused.SCALE_BLIND), init_scale=16.0)
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+    scaler.unscale_(opt)
+    opt.grad_scale = torch.tensor(2.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"does not divide by grad_scale .*multiply the gradients yourself"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+def test_the_conformance_suite_catches_a_kernel_declared_to_divide_that_does_not(monkeypatch):
+    """torch's fused SGD made scale-blind (it skips on found_inf, drops grad_scale): a backend declaring
+    it ``honours`` fails both conformance checks, saying what to declare; one declaring it
+    ``scale_blind`` passes them (the scaler unscales first)."""
+    from amp_backends.testing import test_conformance_backend as suite
+
+    real = torch._fused_sgd_
+
+    def scale_blind(*args, grad_scale=None, found_inf=None, **kwargs):
+        if found_inf is not None and float(found_inf.item()) == 1:
+            return None
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_sgd_", scale_blind)
+    honest, wrong = _backend(sgd=fused.SCALE_BLIND), _backend(sgd=fused.HONOURS)
+    suite.test_fused_kernels_do_what_the_backend_declares(honest, "sgd")
+    suite.test_a_skipped_fused_step_leaves_the_weights_alone(honest, "sgd")
+    with pytest.raises(AssertionError, match="declare {'sgd': 'scale_blind'}"):
+        suite.test_fused_kernels_do_what_the_backend_declares(wrong, "sgd")
+    with pytest.raises(AssertionError, match="the weights differ from the unfused optimizer's"):
+        suite.test_a_skipped_fused_step_leaves_the_weights_alone(wrong, "sgd")
+
+
 @pytest.mark.parametrize("cls,status", [(AbsentAdam, fused.ABSENT), (RefusedAdam, fused.REFUSED)],
                          ids=["absent", "refused"])
 def test_a_kernel_the_device_cannot_run_is_refused_before_anything_changes(cls, status):
@@ -157,20 +299,41 @@ def test_the_probe_runs_once_per_class_and_defaults():
     assert calls == [torch.optim.Adam, torch.optim.Adam], "cached per class and defaults"
 
 
-def test_the_builtin_declarations_name_their_sources():
-    from amp_backends_plugins.musa import MUSABackend
-    from amp_backends_plugins.npu import NPUBackend
-
-    npu, musa = NPUBackend(), MUSABackend()
-    assert {k: v[0] for k, v in npu.fused_found_inf.items()} == {"adamw": "ignores", "adam": "absent", "sgd": "honours"}
-    assert "FusedAdamWKernelNpuOpApi.cpp" in npu.fused_found_inf["adamw"][1]
-    assert {k: v[0] for k, v in musa.fused_found_inf.items()} == {"adam": "refused", "adamw": "refused", "sgd": "honours"}
+def test_the_builtin_declarations_name_their_sources(monkeypatch):
     from amp_backends_plugins.cpu import CPUBackend
     from amp_backends_plugins.cuda import CUDABackend
     from amp_backends_plugins.mlu import MLUBackend
+    from amp_backends_plugins.musa import MUSABackend
+    from amp_backends_plugins.npu import NPUBackend
 
-    for cls in (CPUBackend, CUDABackend, MLUBackend):  # torch's own kernels, torch_mlu's BANG kernels
-        assert {k: v[0] for k, v in cls.fused_found_inf.items()} == dict.fromkeys(("adam", "adamw", "sgd"), "honours")
+    for var in ("TORCH_NPU_FALLBACK_CPU_DISABLE", "ENABLE_FALLBACK_TO_CPU"):
+        monkeypatch.delenv(var, raising=False)
+    def statuses(be):
+        return {k: v[0] for k, v in be.fused_found_inf.items()}
+
+    npu, musa = NPUBackend(), MUSABackend()
+    assert statuses(npu) == {"adamw": "ignores", "adam": "honours", "sgd": "scale_blind", "adagrad": "honours"}
+    assert "FusedAdamWKernelNpuOpApi.cpp" in npu.fused_found_inf["adamw"][1]
+    assert "aclnnFusedSgd" in npu.fused_found_inf["sgd"][1] and "npu_cpu_fallback" in npu.fused_found_inf["adam"][1]
+    assert statuses(musa) == {"adam": "refused", "adamw": "refused", "sgd": "honours", "adagrad": "absent"}
+    assert "musa_functions.yaml" in musa.fused_found_inf["adagrad"][1]
+    # torch's own kernels, torch_mlu's BANG kernels (Adagrad: torch_mlu's CPU fallback runs torch's)
+    kinds = ("adam", "adamw", "sgd", "adagrad")
+    for be in (CPUBackend(), MLUBackend()):
+        assert statuses(be) == dict.fromkeys(kinds, "honours"), be.name
+    from amp_backends_plugins.cuda import torch_release
+
+    assert statuses(CUDABackend()) == dict.fromkeys(kinds if torch_release() >= (2, 13) else kinds[:3], "honours")
+    assert "fused_adagrad_utils.cuh" in CUDABackend().fused_found_inf.get("adagrad", ("", "fused_adagrad_utils.cuh"))[1]
+    # the CPU fallback turned off: no kernel for what op-plugin and torch_mlu do not register
+    monkeypatch.setenv("TORCH_NPU_FALLBACK_CPU_DISABLE", "1")
+    monkeypatch.setenv("ENABLE_FALLBACK_TO_CPU", "off")
+    assert statuses(npu) == {"adamw": "ignores", "adam": "absent", "sgd": "scale_blind", "adagrad": "absent"}
+    assert "TORCH_NPU_FALLBACK_CPU_DISABLE" in npu.fused_found_inf["adagrad"][1]
+    assert statuses(MLUBackend())["adagrad"] == "absent" and "ENABLE_FALLBACK_TO_CPU=0" in \
+        MLUBackend().fused_found_inf["adagrad"][1]
+    monkeypatch.setenv("TORCH_NPU_FALLBACK_CPU_DISABLE", "0")
+    assert statuses(npu)["adam"] == "honours", "0 leaves torch_npu's fallback on (strtol, non-zero turns it off)"
 
 
 # -- the simulations are no kinder than the devices ------------------------------------------------
@@ -195,11 +358,11 @@ for name in ("torch", "ours"):
         scaler.scale(model(torch.ones(3, 4, device=be.device())).float().sum()).backward()
         scaler.step(opt); scaler.update()
         out[name]["clean_step_moves"] = not all(torch.equal(a, p.detach().cpu()) for a, p in zip(before, model.parameters()))
-for kind in ("adam", "sgd0"):
+for kind in ("adam", "adagrad", "sgd0"):
     try:
         model = torch.nn.Linear(4, 2).to(be.device())
-        opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True) if kind == "adam" else \\
-            torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+        opt = (torch.optim.Adam if kind == "adam" else torch.optim.Adagrad if kind == "adagrad" else
+               torch.optim.SGD)(model.parameters(), lr=0.1, fused=True)
         scaler = be.grad_scaler(init_scale=2.**8)
         scaler.scale(model(torch.ones(3, 4, device=be.device())).float().sum()).backward()
         scaler.step(opt)
@@ -215,22 +378,100 @@ print(json.dumps(out))
 def test_npu_fused_adamw_ignores_found_inf_in_the_simulation_as_on_ascend(inf_nan):
     """op-plugin's _fused_adamw_ never reads found_inf: torch's scaler, trusting it, applies the
     overflowed step (the weights move, to NaN with inf/NaN mode); ours skips it from the host. Fused
-    Adam has no NPU kernel; fused SGD without momentum is refused by op-plugin."""
+    Adam and Adagrad have no NPU kernel and run on torch_npu's CPU fallback; fused SGD without momentum
+    is refused by op-plugin."""
     out = run_json(NPU_ADAMW, NPU, {"AMP_SIM_NPU_INF_NAN": inf_nan})
     assert out["torch"]["moved"], "the simulation is no kinder than Ascend: torch's scaler steps"
     if inf_nan == "1":
         assert not out["torch"]["finite"], "overflowed gradients went into the weights"
     assert out["ours"] == {"moved": False, "finite": True, "skipped": True, "clean_step_moves": True}
-    assert out["adam"].startswith("RuntimeError: Adam(fused=True) cannot run on 'npu' (absent)")
-    assert "op-plugin registers no _fused_adam_" in out["adam"]
+    assert out["adam"] == out["adagrad"] == "ran"
     assert out["sgd0"] == "RuntimeError: momentum must be positive, but got 0.0"
+
+
+NPU_FUSED = """
+import json, math, warnings, torch, amp_backends, torch_npu
+torch_npu.npu.set_option({"ACL_PRECISION_MODE": "must_keep_origin_dtype"})  # float32 in float32, as on the CPU
+be = amp_backends.get("npu")
+MAKE = {"adam": lambda p, **k: torch.optim.Adam(p, lr=0.1, **k),
+        "adagrad": lambda p, **k: torch.optim.Adagrad(p, lr=0.1, **k),
+        "sgd": lambda p, **k: torch.optim.SGD(p, lr=0.1, momentum=0.9, **k)}
+def train(kind, dev, kw, scaler):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(dev)
+    opt = MAKE[kind](model.parameters(), **kw)
+    for i, poison in enumerate((False, True, False, False)):
+        opt.zero_grad()
+        loss = (model(torch.linspace(-1, 1, 12, device=dev).reshape(3, 4) * (i + 1)) ** 2).sum()
+        if poison:
+            loss = loss * torch.full((), math.inf, device=dev)
+        scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+    return [p.detach().cpu() for p in model.parameters()], opt
+same = lambda a, b: all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
+out = {}
+for kind in MAKE:
+    oracle, _ = train(kind, "cpu", {"fused": False, "foreach": False}, torch.amp.GradScaler("cpu", init_scale=2.**8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            scaler = be.grad_scaler(init_scale=2.**8)
+            ours, opt = train(kind, be.device(), {"fused": True}, scaler)
+        except Exception as exc:
+            out[kind] = f"{type(exc).__name__}: {exc}"
+            continue
+    trusting, _ = train(kind, be.device(), {"fused": True}, torch.amp.GradScaler("npu", init_scale=2.**8))
+    out[kind] = {"ours_is_unfused": same(ours, oracle), "torch_scaler_is_unfused": same(trusting, oracle),
+                 "plan": type(scaler._plan(opt)).__name__,
+                 "fell_back": sorted({str(w.message) for w in caught if "fall back to run on the CPU" in str(w.message)})}
+try:
+    p = torch.nn.Parameter(torch.ones(3, device=be.device()))
+    p.grad = torch.ones(3, device=be.device())
+    torch.optim.Adagrad([p], lr=0.1, fused=True).step()
+    out["adagrad-direct"] = "ran"
+except Exception as exc:
+    out["adagrad-direct"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+@needs_sim_device
+def test_npu_fused_optimizers_through_the_scaler_train_as_the_unfused_ones_on_the_cpu():
+    """The oracle: torch's scaler with the unfused optimizer on the CPU. On the simulated Ascend, ours
+    matches it with every fused kind. op-plugin's _fused_sgd_ skips on found_inf and hands grad_scale to
+    CANN, which the simulation (harsher than what op-plugin shows) never divides by: torch's scaler,
+    handing it grad_scale, trains on scaled gradients; ours unscales first. Fused Adam and Adagrad run
+    on torch_npu's CPU fallback, with its warning, and honour both."""
+    out = run_json(NPU_FUSED, NPU)
+    for kind in ("adam", "adagrad", "sgd"):
+        assert out[kind]["ours_is_unfused"], (kind, out[kind])
+    assert out["sgd"]["plan"] == "UnscaledFused" and out["sgd"]["torch_scaler_is_unfused"] is False
+    assert out["adam"]["plan"] == out["adagrad"]["plan"] == "Fused"
+    assert out["adam"]["torch_scaler_is_unfused"] and out["adagrad"]["torch_scaler_is_unfused"]
+    for kind, op in (("adam", "_fused_adam_"), ("adagrad", "_fused_adagrad_")):
+        assert out[kind]["fell_back"] == [f"CAUTION: The operator 'aten::{op}' is not currently supported on the NPU "
+                                          "backend and will fall back to run on the CPU. This may have performance "
+                                          "implications."]
+    assert out["adagrad-direct"] == "ran"
+
+
+@needs_sim_device
+def test_npu_without_its_cpu_fallback_refuses_what_op_plugin_has_no_kernel_for():
+    out = run_json(NPU_FUSED, NPU, {"TORCH_NPU_FALLBACK_CPU_DISABLE": "1"})
+    for kind in ("adam", "adagrad"):
+        assert out[kind].startswith(f"RuntimeError: {kind.title()}(fused=True) cannot run on 'npu' (absent)")
+        assert "TORCH_NPU_FALLBACK_CPU_DISABLE" in out[kind]
+    assert out["adagrad-direct"] == (
+        "RuntimeError: The operator 'aten::_fused_adagrad_' would execute its main computation on CPU through "
+        "dispatcher backend fallback because no kernel is registered for the NPU PrivateUse1 backend, but CPU fallback "
+        "is disabled by TORCH_NPU_FALLBACK_CPU_DISABLE=1.")
+    assert out["sgd"]["ours_is_unfused"], "op-plugin's own kernels are unaffected"
 
 
 MUSA_ADAM = """
 import json, torch, amp_backends
 be = amp_backends.get("musa")
 out = {}
-for cls in ("Adam", "AdamW"):
+for cls in ("Adam", "AdamW", "Adagrad"):
     model = torch.nn.Linear(4, 2).to(be.device())
     opt = getattr(torch.optim, cls)(model.parameters(), lr=0.1, fused=True)
     try:
@@ -257,10 +498,14 @@ print(json.dumps(out))
 
 
 @needs_sim_device
-def test_musa_refuses_fused_adam_and_adamw_as_torch_musa_does():
+def test_musa_refuses_fused_adam_adamw_and_adagrad_as_torch_musa_does():
     out = run_json(MUSA_ADAM, MUSA)
     assert out["Adam-direct"] == "torch.optim.Adam(fused=True) is not supported, try torch_musa.optim.FusedAdam instead"
     assert out["AdamW-direct"] == "torch.optim.AdamW(fused=True) is not supported, try torch_musa.optim.FusedAdamW instead"
     assert out["Adam"].startswith("Adam(fused=True) cannot run on 'musa' (refused): ") and "FusedAdam" in out["Adam"]
     assert "torch_musa.optim.FusedAdamW" in out["AdamW"]
+    # no _fused_adagrad_ in torch_musa and no CPU fallback: the dispatcher's error, refused by the scaler
+    assert out["Adagrad-direct"].startswith("Could not run 'aten::_fused_adagrad_' with arguments from the")
+    assert out["Adagrad"].startswith("Adagrad(fused=True) cannot run on 'musa' (absent): ")
+    assert "torch_musa registers no _fused_adagrad_" in out["Adagrad"]
     assert out["sgd"] is False, "fused SGD runs"

@@ -282,3 +282,76 @@ def test_torch_grad_scaler_on_simulated_device_agrees_with_ours():
         SIM,
     )
     assert out["same"] and out["scales"][2] < out["scales"][1]
+
+
+MLU_FALLBACK = """
+import json, math, warnings, torch, amp_backends
+from torch import nn
+warnings.simplefilter("always")
+be = amp_backends.get("mlu")
+out = {"fp8": [str(d) for d in be.fp8_dtypes()], "reason": be.fp8_unavailable_reason()}
+try:
+    amp_backends.precision_policy(nn.Sequential(nn.Linear(32, 32)).to(be.device()), fp8=[nn.Linear], backend=be)
+except Exception as exc:
+    out["policy"] = str(exc)
+with warnings.catch_warnings(record=True) as caught:
+    try:
+        one = torch.ones((), device=be.device())
+        a = torch.ones(16, 32).to(torch.float8_e4m3fn).to(be.device())
+        torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.bfloat16)
+        out["scaled_mm"] = "ran"
+    except Exception as exc:
+        out["scaled_mm"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+out["scaled_mm_warned"] = [str(w.message) for w in caught if "_scaled_mm" in str(w.message)]
+
+def train(dev, kw, scaler):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(dev)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1, **kw)
+    for i, poison in enumerate((False, True, False, False)):
+        opt.zero_grad()
+        loss = (model(torch.linspace(-1, 1, 12, device=dev).reshape(3, 4) * (i + 1)) ** 2).sum()
+        if poison:
+            loss = loss * torch.full((), math.inf, device=dev)
+        scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+    return [p.detach().cpu() for p in model.parameters()]
+
+with warnings.catch_warnings(record=True) as caught:
+    try:
+        ours = train(be.device(), {"fused": True}, be.grad_scaler(init_scale=2.**8))
+        oracle = train("cpu", {"fused": False, "foreach": False}, torch.amp.GradScaler("cpu", init_scale=2.**8))
+        out["adagrad"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ours, oracle))
+    except Exception as exc:
+        out["adagrad"] = f"{type(exc).__name__}: {exc}"
+out["adagrad_warned"] = [str(w.message) for w in caught if "_fused_adagrad_" in str(w.message)]
+print(json.dumps(out))
+"""
+
+
+@needs_sim_device
+@pytest.mark.parametrize("fallback", [None, "0"], ids=["cpu-fallback", "ENABLE_FALLBACK_TO_CPU=0"])
+def test_what_torch_mlu_has_no_kernel_for_runs_on_its_cpu_fallback_or_is_refused(fallback):
+    """torch_mlu r2.4 registers neither _fused_adagrad_ nor _scaled_mm (codegen/mlu_functions.yaml);
+    its CPU fallback (csrc/aten/MLUFallback.cpp, on by default) runs them on the CPU after its warning.
+    Fused Adagrad there trains as torch's scaler with the unfused Adagrad on the CPU (the oracle);
+    _scaled_mm fails, as torch 2.4 has no CPU kernel for it, and fp8 is refused for the MLU saying so.
+    With ENABLE_FALLBACK_TO_CPU=0 both raise torch_mlu's NotImplementedError and the scaler refuses
+    fused Adagrad before anything changes. Read from torch_mlu's source; not run on an MLU."""
+    out = run_json(MLU_FALLBACK, SIM, {"ENABLE_FALLBACK_TO_CPU": fallback} if fallback else {})
+    assert out["fp8"] == [] and "torch_mlu registers no _scaled_mm" in out["reason"]
+    assert "backend 'mlu'" in out["policy"] and out["reason"] in out["policy"]
+    if fallback is None:
+        assert out["adagrad"] is True
+        assert out["adagrad_warned"] == ["The operator 'aten::_fused_adagrad_' is not currently supported on the MLU "
+                                         "backend and will fall back to run on the CPU. This may have performance "
+                                         "implications."]
+        assert out["scaled_mm"] == ("NotImplementedError: Could not run 'aten::_scaled_mm' with arguments from the "
+                                    "'CPU' backend. This could be because the operator doesn't exist for this backend, "
+                                    "or was omitted during the selective/custom build process (if using custom build).")
+        assert len(out["scaled_mm_warned"]) == 1 and "fall back to run on the CPU" in out["scaled_mm_warned"][0]
+    else:
+        assert out["adagrad"].startswith("RuntimeError: Adagrad(fused=True) cannot run on 'mlu' (absent)")
+        assert "ENABLE_FALLBACK_TO_CPU=0" in out["adagrad"]
+        assert out["scaled_mm"].startswith("NotImplementedError: The operator 'aten::_scaled_mm' is not currently "
+                                           "implemented for the MLU device.")
+        assert out["adagrad_warned"] == out["scaled_mm_warned"] == []

@@ -341,3 +341,101 @@ def test_the_npu_simulation_autocasts_by_torch_npus_lists_not_cudas():
     musa = run_json(AUTOCAST_LISTS % "musa", MUSA)  # CUDA's lists
     assert npu == {"upsample": "torch.float16", "norm": "torch.float32", "mm": "torch.float16"}
     assert musa["upsample"] == "torch.float32" and musa["mm"] == "torch.float16"
+
+
+# -- fp8: torch._scaled_mm by chip, as each extension's source has it ----------------------------------
+FP8 = """
+import json, sys, warnings, torch, amp_backends
+from torch import nn
+from amp_backends.precision.fp8 import engine
+warnings.simplefilter("ignore")
+be = amp_backends.get(sys.argv[1] if len(sys.argv) > 1 else %r)
+dev = be.device()
+out = {"dtypes": [str(d) for d in be.fp8_dtypes()], "recipes": list(be.fp8_recipes()),
+       "reason": be.fp8_unavailable_reason()}
+
+def run(recipe, emulate):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)).to(dev)
+    x = torch.randn(16, 32).to(dev)
+    policy = amp_backends.precision_policy(model, fp32=(), fp8=[nn.Linear], fp8_recipe=recipe, emulate=emulate,
+                                           backend=be)
+    assert sorted(policy.fp8) == ["0", "2"], policy.fp8_skipped
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # the dispatcher's record
+        y = model(x)
+        y.float().pow(2).sum().backward()
+    policy.remove()
+    calls = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
+    return y.detach().cpu().float(), model[0].weight.grad.cpu().float(), calls
+
+for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+    try:
+        y, g, n = run(recipe, False)
+    except engine.Fp8UnavailableError as exc:
+        out[recipe] = str(exc)
+        continue
+    y_ref, g_ref, _ = run(recipe, True)  # torchao's emulation: high-precision matmuls of the same fp8 values
+    # within fp8's rounding (torchao's rowwise path rounds outputs to bf16 first, and e4m3 steps are 1/8)
+    out[recipe] = {"scaled_mm_calls": n, "close_to_emulation": bool(
+        (y - y_ref).norm() <= 0.01 * y_ref.norm() and (g - g_ref).norm() <= 0.05 * g_ref.norm())}
+
+e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+a, b = torch.randn(16, 32), torch.randn(32, 16)
+one = torch.ones((), device=dev)
+cases = {"tensorwise e4m3 x e4m3": (e4, e4, one, one), "tensorwise e5m2 x e4m3": (e5, e4, one, one),
+         "tensorwise e5m2 x e5m2": (e5, e5, one, one),
+         "rowwise e4m3 x e4m3": (e4, e4, torch.ones(16, 1, device=dev), torch.ones(1, 16, device=dev)),
+         "rowwise e5m2 x e4m3": (e5, e4, torch.ones(16, 1, device=dev), torch.ones(1, 16, device=dev))}
+for name, (da, db, sa, sb) in cases.items():
+    try:
+        mb = b.t().contiguous().to(db).to(dev).t()  # column-major, as cuBLASLt and the vendors ask
+        got = torch._scaled_mm(a.to(da).to(dev), mb, sa, sb, out_dtype=torch.bfloat16)
+        want = (a.to(da).float() @ b.to(db).float()).to(torch.bfloat16)
+        out[name] = "ok" if torch.allclose(got.cpu().float(), want.float(), rtol=1e-2, atol=1e-2) else "wrong values"
+    except Exception as exc:
+        out[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+print(json.dumps(out))
+"""
+
+_RAN = {"scaled_mm_calls": 6, "close_to_emulation": True}
+
+
+@needs_sim_device
+@pytest.mark.parametrize(("backend", "env", "runs"), [
+    ("npu", {"AMP_SIM_NPU_SOC": "Ascend950"}, True), ("npu", {"AMP_SIM_NPU_SOC": "Ascend910B1"}, False),
+    ("musa", {"AMP_SIM_MUSA_CAPABILITY": "3.1"}, True), ("musa", {"AMP_SIM_MUSA_CAPABILITY": "2.2"}, False),
+], ids=["ascend950", "ascend910b1", "musa-3.1", "musa-2.2"])
+def test_fp8_runs_on_the_chips_whose_extension_has_scaled_mm_and_is_refused_below(backend, env, runs):
+    """Both sides of each line, on the simulated extensions (their _scaled_mm keeps the vendor's checks,
+    in its words: op-plugin's ScaledMmKernelNpuOpApi.cpp, torch_musa's Matmul.cpp ScaledMatmulOut).
+    Where the backend declares fp8, every torchao recipe trains through torch._scaled_mm on the device
+    (6 calls: two layers, forward and two backward matmuls; 4 with the weight gradient in high precision),
+    close to torchao's own emulation of the same fp8 values; where not, the policy is refused saying
+    what the chip lacks. Read from the vendors' sources, not run on their hardware."""
+    out = run_json(FP8 % backend, NPU if backend == "npu" else MUSA, env)
+    if runs:
+        assert out["dtypes"] == ["torch.float8_e4m3fn", "torch.float8_e5m2"] and out["reason"] is None
+        assert out["recipes"] == ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+        assert out["tensorwise"] == out["rowwise"] == _RAN
+        assert out["rowwise_with_gw_hp"] == {**_RAN, "scaled_mm_calls": 4}
+        assert out["tensorwise e4m3 x e4m3"] == out["tensorwise e5m2 x e4m3"] == out["rowwise e4m3 x e4m3"] == "ok"
+    else:
+        assert out["dtypes"] == out["recipes"] == []
+        for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+            assert f"backend '{backend}'" in out[recipe] and "has no fp8 matmul" in out[recipe]
+            assert out["reason"] in out[recipe] and "emulate=True" in out[recipe]
+    if backend == "npu":
+        if runs:  # op-plugin: not both e5m2; rowwise scales recognised for e4m3fn x e4m3fn only
+            assert out["tensorwise e5m2 x e5m2"] == "RuntimeError: Multiplication of two Float8_e5m2 matrices is not supported"
+            assert out["rowwise e5m2 x e4m3"].startswith("RuntimeError: the simulated op-plugin takes one-element")
+        else:
+            assert "below Ascend950" in out["reason"] and "ScaledMmKernelNpuOpApi.cpp" in out["reason"]
+            assert {v for k, v in out.items() if " x " in k} == {
+                "RuntimeError: _scaled_mm is supported only on the Ascend950 platform and after."}
+    else:
+        if runs:  # torch_musa checks float8 operands and scale sizes, nothing about e5m2 pairs
+            assert out["tensorwise e5m2 x e5m2"] == out["rowwise e5m2 x e4m3"] == "ok"
+        else:
+            assert "compute capability 2.2" in out["reason"] and "3.1 (MP31)" in out["reason"]
+            assert {v for k, v in out.items() if " x " in k} == {
+                "RuntimeError: scaled_gemm is only supported for MUSA_ARCH >= 310"}

@@ -77,11 +77,13 @@ class Device:
     #: :data:`amp_backends.precision.OP_MODULES`, e.g. ``"binary_cross_entropy"``): a precision
     #: policy built with this backend runs the modules calling them in float32.
     fp32_ops: tuple[str, ...] = ()
-    #: What the device's fused optimizer kernels (``Adam/AdamW/SGD(fused=True)``) do with the
+    #: What the device's fused optimizer kernels (``Adam/AdamW/SGD/Adagrad(fused=True)``) do with the
     #: scaler's ``grad_scale`` and ``found_inf``, per kind (``"adam"``, ``"adamw"``, ``"sgd"``,
     #: ``"adagrad"``, or a vendor optimizer's qualified class name): a status of
-    #: :mod:`amp_backends.devices.fused` or ``(status, "the source it is known from")``. A kind not
-    #: declared is probed once on the device; None probes every kind.
+    #: :mod:`amp_backends.devices.fused` (honours: skips on found_inf and divides by grad_scale;
+    #: scale_blind: skips but does not divide; ignores; rejects; absent; refused) or
+    #: ``(status, "the source it is known from")``. A kind not declared is probed once on the device
+    #: (both questions asked); None probes every kind.
     fused_found_inf: Mapping[str, str | tuple[str, str]] | None = None
     #: False: every fused kernel of the device ignores found_inf (older form of the declaration above).
     fused_steps_honour_found_inf: bool = True
@@ -174,6 +176,11 @@ class Device:
         """The fp8 training recipes (:data:`FP8_RECIPES`) the device runs: all of them
         where it has fp8 matmuls, else none."""
         return FP8_RECIPES if self.fp8_dtypes() else ()
+
+    def fp8_unavailable_reason(self) -> str | None:
+        """Why fp8 training cannot run on this device, in the vendor's terms (what the chip or its
+        extension lacks, or the fp8 stack it has instead), or None: the generic reason is used."""
+        return None
 
     def fp8_linear(self, linear: torch.nn.Linear, config: Any) -> torch.nn.Module | None:
         """A vendor's own fp8 layer replacing ``linear`` (``config``: torchao's ``Float8LinearConfig``),

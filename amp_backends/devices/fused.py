@@ -1,12 +1,15 @@
 """What a device's fused optimizer kernels do with the scaler's ``grad_scale`` and ``found_inf``.
 
-torch's fused optimizers (``Adam/AdamW/SGD(fused=True)``) take the scale and the overflow flag and
-are meant to unscale and skip on the device. Whether a device's kernel does is a fact about that
-device's extension, not about torch: op-plugin's Ascend ``_fused_adamw_`` accepts both and reads
-neither; torch_musa refuses fused Adam and AdamW outright; an older MPS fused Adam asserted both
-were None. A device declares what it knows per kind of optimizer (:attr:`Device.fused_found_inf`),
-and what it does not declare is probed once on the device (:func:`probe`); :func:`kernel_of` answers
-for one optimizer. The scaler hands ``found_inf`` only to a kernel that honours it, and skips every
+torch's fused optimizers (``Adam/AdamW/SGD/Adagrad(fused=True)``) take the scale and the overflow
+flag and are meant to unscale (divide the gradients by ``grad_scale``) and skip (on ``found_inf``) on
+the device. Whether a device's kernel does both is a fact about that device's extension, not about
+torch: op-plugin's Ascend ``_fused_adamw_`` accepts both and reads neither; torch_musa refuses fused
+Adam and AdamW outright; an older MPS fused Adam asserted both were None; a kernel may skip on
+found_inf and never divide by grad_scale, and would then step on gradients multiplied by the loss
+scale. A device declares what it knows per kind of optimizer (:attr:`Device.fused_found_inf`), and
+what it does not declare is probed once on the device (:func:`probe`); :func:`kernel_of` answers
+for one optimizer. The scaler hands ``grad_scale`` and ``found_inf`` only to a kernel that honours
+both, hands a scale-blind one ``found_inf`` after unscaling its gradients itself, and skips every
 other step itself.
 """
 
@@ -24,22 +27,34 @@ from ..errors import first_line
 if TYPE_CHECKING:
     from .contract import Device
 
-__all__ = ["ABSENT", "HONOURS", "IGNORES", "REFUSED", "REJECTS", "STATUSES", "FusedKernel", "forget", "kernel_of",
-           "kind_of", "probe"]
+__all__ = ["ABSENT", "HONOURS", "IGNORES", "PROBE_SCALE", "REFUSED", "REJECTS", "SCALE_BLIND", "STATUSES",
+           "FusedKernel", "forget", "kernel_of", "kind_of", "probe"]
 
-#: The kernel skips the step when handed found_inf = 1 (torch's own kernels, torch_mlu's).
+#: The kernel skips the step when handed found_inf = 1 and divides the gradients by grad_scale
+#: otherwise (torch's own kernels, torch_mlu's).
 HONOURS = "honours"
+#: It skips the step when handed found_inf = 1 but does not divide the gradients by grad_scale, or is
+#: not known to (op-plugin's ``_fused_sgd_`` hands grad_scale to CANN, whose use of it is not visible):
+#: the scaler unscales the gradients first and hands it found_inf with grad_scale None.
+SCALE_BLIND = "scale_blind"
 #: It takes grad_scale and found_inf and does not read them (op-plugin's ``_fused_adamw_``).
 IGNORES = "ignores"
 #: It refuses to be handed them (raises) but steps without them (an older MPS fused Adam).
 REJECTS = "rejects"
-#: The device has no such fused kernel (op-plugin registers no ``_fused_adam_``).
+#: The device has no such fused kernel (torch_musa registers no ``_fused_adagrad_`` and has no CPU fallback).
 ABSENT = "absent"
 #: The extension refuses the fused optimizer itself (torch_musa's fused Adam and AdamW).
 REFUSED = "refused"
-STATUSES = (HONOURS, IGNORES, REJECTS, ABSENT, REFUSED)
+STATUSES = (HONOURS, IGNORES, REJECTS, ABSENT, REFUSED, SCALE_BLIND)
 
-_KINDS = ((torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"), (torch.optim.SGD, "sgd"))
+_KINDS = ((torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"), (torch.optim.SGD, "sgd"),
+          (torch.optim.Adagrad, "adagrad"))
+#: The grad_scale the probe hands over with found_inf = 0 (a power of two: dividing by it is exact).
+PROBE_SCALE = 1024.0
+#: The probe's parameter and its (unscaled) gradient: distinct values of both signs, exact in float32
+#: when multiplied by :data:`PROBE_SCALE`.
+_PARAM = (1.0, -2.0, 0.5, 3.0)
+_GRAD = (0.5, -0.25, 1.0, 0.125)
 
 
 @dataclass(frozen=True)
@@ -89,8 +104,8 @@ def forget(device: Device) -> None:
 
 
 def kind_of(optimizer: torch.optim.Optimizer) -> str:
-    """``"adamw"``, ``"adam"``, ``"sgd"`` for torch's optimizers (subclasses included), else the
-    class's qualified name."""
+    """``"adamw"``, ``"adam"``, ``"sgd"``, ``"adagrad"`` for torch's optimizers (subclasses included),
+    else the class's qualified name."""
     for cls, kind in _KINDS:
         if isinstance(optimizer, cls):
             return kind
@@ -98,31 +113,100 @@ def kind_of(optimizer: torch.optim.Optimizer) -> str:
 
 
 def probe(optimizer: torch.optim.Optimizer, device: torch.device) -> FusedKernel:
-    """Run one step of ``optimizer``'s class, with its defaults, on a 4-element parameter on
-    ``device`` handed ``found_inf = 1``: the parameter unchanged is HONOURS, changed IGNORES; a step
-    that raises is retried without grad_scale/found_inf: REJECTS if that runs, else ABSENT (no
-    kernel on the device) or REFUSED (the extension's own refusal, its message kept)."""
-    def one_step(hand_over: bool) -> bool:
-        param = torch.nn.Parameter(torch.ones(4, device=device))
-        param.grad = torch.full_like(param, 0.5)
-        opt = type(optimizer)([param], **_defaults(optimizer))
-        if hand_over:
-            opt.grad_scale = torch.ones((), device=device)  # type: ignore[attr-defined]
-            opt.found_inf = torch.ones((), device=device)  # type: ignore[attr-defined]
-        opt.step()
-        return bool(torch.equal(param.detach().cpu(), torch.ones(4)))
+    """Step ``optimizer``'s class, with its defaults, on a 4-element parameter on ``device``, twice:
 
+    1. handed ``found_inf = 1`` (and ``grad_scale`` = :data:`PROBE_SCALE`): the parameter unchanged
+       means it skips, changed is IGNORES; a step that raises is retried without grad_scale/found_inf:
+       REJECTS if that runs, else ABSENT (no kernel on the device) or REFUSED (the extension's own
+       refusal, its message kept);
+    2. a kernel that skips is handed ``found_inf = 0`` and ``grad_scale`` = :data:`PROBE_SCALE` with the
+       gradient multiplied by it, and its parameter and state are compared with the unfused step
+       (the same class with ``fused=False, foreach=False``) on the unscaled gradient: equal is HONOURS;
+       anything else (a kernel that never divides by grad_scale steps on the scaled gradient) is
+       SCALE_BLIND, as is a comparison that cannot be made."""
     where = f"probed on {device}"
     try:
-        return FusedKernel(HONOURS if one_step(True) else IGNORES, where)
+        skipped = _skips(optimizer, device, hand_over=True)
     except Exception as first:  # noqa: BLE001 - a refusal is a finding
-        try:
-            one_step(False)
-        except NotImplementedError as exc:
-            return FusedKernel(ABSENT, f"{where}: {_first_line(exc)}")
-        except Exception as exc:  # noqa: BLE001
-            return FusedKernel(REFUSED, f"{where}: {type(exc).__name__}: {_first_line(exc)}")
-        return FusedKernel(REJECTS, f"{where}: {type(first).__name__}: {_first_line(first)}")
+        return _without_hand_over(optimizer, device, where, first)
+    if not skipped:
+        return FusedKernel(IGNORES, f"{where}: it stepped although handed found_inf = 1")
+    try:
+        fused_run = _stepped(optimizer, device, fused=True)
+    except Exception as exc:  # noqa: BLE001 - it skips, but a real step with grad_scale fails
+        return _without_hand_over(optimizer, device, where, exc)
+    try:
+        reference = _stepped(optimizer, device, fused=False)
+    except Exception as exc:  # noqa: BLE001 - no unfused step to compare with: grad_scale not trusted
+        return FusedKernel(SCALE_BLIND, f"{where}: it skips on found_inf; whether it divides by grad_scale could "
+                                        f"not be checked (the unfused step failed: {type(exc).__name__}: "
+                                        f"{_first_line(exc)})")
+    if _same(fused_run, reference):
+        return FusedKernel(HONOURS, f"{where}: it skips on found_inf and divides by grad_scale")
+    try:
+        blind = _same(fused_run, _stepped(optimizer, device, fused=False, scaled=True))
+    except Exception:  # noqa: BLE001 - only the note depends on it
+        blind = False
+    what = ("steps on the gradient still multiplied by grad_scale" if blind else
+            "steps differently from the unfused step on the unscaled gradient")
+    return FusedKernel(SCALE_BLIND, f"{where}: it skips on found_inf but, handed grad_scale = {PROBE_SCALE:g}, {what}")
+
+
+def _probe_param(device: torch.device, scale: float = 1.0) -> torch.nn.Parameter:
+    param = torch.nn.Parameter(torch.tensor(_PARAM, device=device))
+    param.grad = torch.tensor(_GRAD, device=device) * scale
+    return param
+
+
+def _skips(optimizer: torch.optim.Optimizer, device: torch.device, hand_over: bool) -> bool:
+    """Whether one step handed found_inf = 1 (or nothing, ``hand_over`` False) leaves the parameter."""
+    param = _probe_param(device, PROBE_SCALE)
+    opt = type(optimizer)([param], **_defaults(optimizer))
+    if hand_over:
+        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]
+        opt.found_inf = torch.ones((), device=device)  # type: ignore[attr-defined]
+    opt.step()
+    return bool(torch.equal(param.detach().cpu(), torch.tensor(_PARAM)))
+
+
+def _without_hand_over(optimizer: torch.optim.Optimizer, device: torch.device, where: str,
+                       first: BaseException) -> FusedKernel:
+    """A step handed grad_scale/found_inf raised: REJECTS if one without them runs, else why not."""
+    try:
+        _skips(optimizer, device, hand_over=False)
+    except NotImplementedError as exc:
+        return FusedKernel(ABSENT, f"{where}: {_first_line(exc)}")
+    except Exception as exc:  # noqa: BLE001
+        return FusedKernel(REFUSED, f"{where}: {type(exc).__name__}: {_first_line(exc)}")
+    return FusedKernel(REJECTS, f"{where}: {type(first).__name__}: {_first_line(first)}")
+
+
+def _stepped(optimizer: torch.optim.Optimizer, device: torch.device, fused: bool,
+             scaled: bool = False) -> list[torch.Tensor]:
+    """The parameter and the float state after one step: ``fused``, the optimizer's own class and
+    defaults handed found_inf = 0 and grad_scale with the gradient scaled by it; else the unfused
+    step (``fused=False, foreach=False`` where the class takes them) on the unscaled gradient, or
+    on the scaled one with ``scaled``."""
+    param = _probe_param(device, PROBE_SCALE if fused or scaled else 1.0)
+    kwargs = _defaults(optimizer)
+    if not fused:
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        kwargs.update({k: False for k in ("fused", "foreach") if k in accepted})
+    opt = type(optimizer)([param], **kwargs)
+    if fused:
+        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]
+        opt.found_inf = torch.zeros((), device=device)  # type: ignore[attr-defined]
+    opt.step()
+    state = opt.state[param]
+    return [param.detach().cpu().float()] + [state[k].detach().cpu().float() for k in sorted(state)
+                                             if torch.is_tensor(state[k]) and state[k].is_floating_point()
+                                             and state[k].shape == param.shape]
+
+
+def _same(run: list[torch.Tensor], reference: list[torch.Tensor]) -> bool:
+    """Equal up to the rounding that separates a fused kernel from the unfused loop."""
+    return len(run) == len(reference) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+                                               for a, b in zip(run, reference))
 
 
 def _defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

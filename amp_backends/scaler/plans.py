@@ -5,6 +5,9 @@
 - :class:`Plain`: torch's path for a plain optimizer: unscale, then skip from the host (the step's one sync).
 - :class:`Fused`: a fused optimizer whose kernel honours found_inf gets ``grad_scale`` and ``found_inf``
   and skips on the device.
+- :class:`UnscaledFused`: a fused optimizer whose kernel skips on found_inf but does not divide by
+  ``grad_scale`` has its gradients unscaled first and gets ``found_inf`` with ``grad_scale`` None
+  (torch's protocol after ``unscale_``).
 - :class:`FusedFromHost`: a fused optimizer whose kernel is not trusted with them is checked, unscaled
   and skipped from the host, leaving what torch's fused protocol leaves.
 - :class:`OptimizerOwned`: the optimizer's own ``step(grad_scaler=...)`` protocol (torch's).
@@ -274,6 +277,37 @@ class Fused(_OnDevice):
 
 
 
+class UnscaledFused(_OnDevice):
+    """A fused optimizer whose kernel skips on found_inf but does not divide by ``grad_scale``
+    (:data:`~amp_backends.devices.fused.SCALE_BLIND`): the gradients are unscaled first (the scaler's
+    ``unscale_``, found_inf recorded), and the kernel gets found_inf with ``grad_scale`` None, which is
+    what torch's scaler hands a fused optimizer after ``unscale_``. The skip stays on the device (no
+    host read); a skipped step leaves the gradients unscaled, as after ``unscale_``."""
+
+    hands_over = True
+
+    def __init__(self, kernel: fused.FusedKernel) -> None:
+        self.kernel = kernel
+
+    def before(self, scaler: Scaling, optimizer: torch.optim.Optimizer, args: Args,
+               kwargs: Kwargs) -> tuple[bool | None, Args, Kwargs]:
+        scale, record = _ready_to_step(scaler, optimizer, kwargs)
+        if getattr(optimizer, "grad_scale", None) is not None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}(fused=True) on {scaler.backend.name!r} has a kernel that does not divide "
+                f"by grad_scale ({self.kernel.note}), so the grad_scale set on the optimizer would be ignored: "
+                "multiply the gradients yourself (after scaler.unscale_(optimizer)) and leave grad_scale unset")
+        if record.stage is OptState.READY:
+            unscale(scaler, optimizer, funcname="step")
+        found = record.found
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]
+        return False, args, kwargs
+
+    def __repr__(self) -> str:
+        return f"<UnscaledFused {self.kernel.note!r}>"
+
+
 class OptimizerOwned(_OnDevice):
     """The optimizer's ``step(grad_scaler=...)`` (torch_mlu's FusedLAMBAMP): torch's protocol hands it
     the scaler, and it unscales, checks and skips itself."""
@@ -321,7 +355,7 @@ FUSED, OPTIMIZER_OWNED = Fused(), OptimizerOwned()
 def choose(scaler: Scaling, optimizer: torch.optim.Optimizer) -> Plan:
     """The plan ``optimizer``'s steps follow under ``scaler``: from whether scaling is on, whether the
     optimizer is fused (``_step_supports_amp_scaling``), and what the device's fused kernel for it does
-    with found_inf (declared by the backend, or probed once on the device)."""
+    with grad_scale and found_inf (declared by the backend, or probed once on the device)."""
     if not scaler._enabled:
         return CHECK_ONLY if scaler._check_finite else FORWARD
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -329,7 +363,10 @@ def choose(scaler: Scaling, optimizer: torch.optim.Optimizer) -> Plan:
     kernel = fused.kernel_of(scaler.backend, optimizer)
     if kernel.status in (fused.ABSENT, fused.REFUSED):
         return Refused(kernel)
-    if kernel.status != fused.HONOURS:
+    if kernel.status == fused.SCALE_BLIND:
+        trusted: Plan = UnscaledFused(kernel)
+    elif kernel.status != fused.HONOURS:
         return FROM_HOST
-    trusted = OPTIMIZER_OWNED if "grad_scaler" in inspect.signature(optimizer.step).parameters else FUSED
+    else:
+        trusted = OPTIMIZER_OWNED if "grad_scaler" in inspect.signature(optimizer.step).parameters else FUSED
     return FirstStepsFromHost(trusted) if isinstance(optimizer, torch.optim.SGD) else trusted

@@ -22,6 +22,7 @@ not how fast or how exactly a real device computes.
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -30,7 +31,8 @@ from torch.utils._pytree import tree_map
 from .simautocast import FP32_OPS, LOWER_PRECISION_OPS, PROMOTE_OPS, register_autocast
 
 __all__ = ["raw_of", "install", "installed_name", "overflow_status", "clear_overflow_status",
-           "LOWER_PRECISION_OPS", "FP32_OPS", "PROMOTE_OPS", "absent", "ignoring_found_inf", "refusing"]
+           "LOWER_PRECISION_OPS", "FP32_OPS", "PROMOTE_OPS", "absent", "host_fallback", "ignoring_found_inf",
+           "refusing", "scale_blind", "scaled_matmul"]
 
 _STATE: dict[str, Any] = {"name": None, "libs": [], "saturation": False, "status": False,
                           "allocated": 0, "peak": 0, "fp32_cube_as": None}
@@ -115,12 +117,25 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
 
     to_device = _targets_device(kwargs)
     raw_args, raw_kwargs = tree_map(unwrap, (args, kwargs))
+    dense: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if op._schema.name.startswith("aten::_fused_"):
+        # torch's fused optimizer CPU kernels walk each tensor's memory as contiguous (a device's tensors
+        # are, by autograd's layout contract); a wrapper's data may be a strided view: dense copies, written back
+        def densify(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and not x.is_contiguous():
+                dense.append((x, x.contiguous()))
+                return dense[-1][1]
+            return x
+
+        raw_args, raw_kwargs = tree_map(densify, (raw_args, raw_kwargs))
     low = _STATE["fp32_cube_as"]
     if low is not None and op._schema.name.split("::")[-1] in CUBE_OPS and _all_fp32(raw_args, raw_kwargs):
         result = op(*tree_map(lambda x: _cast(x, low), raw_args), **tree_map(lambda x: _cast(x, low), raw_kwargs))
         result = tree_map(lambda x: _cast(x, torch.float32), result)
     else:
         result = op(*raw_args, **raw_kwargs)
+    for strided, copy in dense:
+        strided.copy_(copy)
     if _STATE["saturation"] and to_device is not False:
         torch.utils._pytree.tree_map(_saturate, result)
     wrap_new = to_device if to_device is not None else True
@@ -274,6 +289,61 @@ def ignoring_found_inf(qualified: str) -> Any:
         return _fallback(op, *args, **kwargs)
 
     return kernel
+
+
+def scale_blind(qualified: str, before: Any = None) -> Any:
+    """A fused optimizer kernel that returns when found_inf is 1 and otherwise steps on the gradients
+    as they are, never dividing by ``grad_scale``. ``before(kwargs)``: the extension's own checks,
+    after the found_inf return (op-plugin's momentum check)."""
+    op = _overload(qualified)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        found_inf = kwargs.get("found_inf")
+        if found_inf is not None and float(found_inf.item()) == 1:
+            return None
+        if before is not None:
+            before(kwargs)
+        return _fallback(op, *args, **{**kwargs, "grad_scale": None, "found_inf": None})
+
+    return kernel
+
+
+_FELL_BACK: set[str] = set()
+
+
+def host_fallback(qualified: str, warning: str, disabled: BaseException | None = None) -> Any:
+    """An op the extension has no device kernel for, run by its CPU fallback (torch_npu's
+    ``npu_cpu_fallback``, torch_mlu's ``mlu_fallback``): torch's CPU kernel, after the extension's
+    warning, once per op (``{op}``: the operator's name). ``disabled``: the fallback is turned off, and
+    this is what the extension raises instead."""
+    op = _overload(qualified)
+    name = f"aten::{qualified}"
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if disabled is not None:
+            raise disabled
+        if name not in _FELL_BACK:
+            _FELL_BACK.add(name)
+            warnings.warn(warning.format(op=name), UserWarning, stacklevel=2)
+        return _fallback(op, *args, **kwargs)
+
+    return kernel
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """``torch._scaled_mm``'s arithmetic on the device tensors, in float32 on their CPU data: each
+    operand times its scale (one element, or one per row of ``a`` / column of ``b``), multiplied,
+    plus the bias, cast to ``out_dtype`` (``a``'s dtype where None). For a simulated extension's
+    kernel, after its own checks."""
+    ra, rb = raw_of(a).float(), raw_of(b).float()
+    sa, sb = raw_of(scale_a).float(), raw_of(scale_b).float()
+    sa = sa.reshape(()) if sa.numel() == 1 else sa.reshape(-1, 1)
+    sb = sb.reshape(()) if sb.numel() == 1 else sb.reshape(1, -1)
+    out = (ra * sa) @ (rb * sb)
+    if bias is not None:
+        out = out + raw_of(bias).float()
+    return _wrap(out.to(out_dtype or a.dtype).contiguous())
 
 
 def absent(qualified: str) -> Any:

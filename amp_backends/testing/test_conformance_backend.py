@@ -202,26 +202,30 @@ def test_unscale_never_zeroes_finite_low_precision_gradients(backend, dtype):
 
 
 _FUSED = {
-    "adam": lambda params: torch.optim.Adam(params, lr=0.1, fused=True),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=0.1, fused=True),
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
+    "adam": lambda params, **kw: torch.optim.Adam(params, lr=0.1, **kw),
+    "adamw": lambda params, **kw: torch.optim.AdamW(params, lr=0.1, **kw),
+    "sgd": lambda params, **kw: torch.optim.SGD(params, lr=0.1, momentum=0.9, **kw),
+    "adagrad": lambda params, **kw: torch.optim.Adagrad(params, lr=0.1, **kw),
 }
 
 
 def _fused_optimizer(kind, params):
     try:
-        return _FUSED[kind](params)
+        return _FUSED[kind](params, fused=True)
     except (RuntimeError, ValueError) as exc:
         pytest.skip(f"torch makes no fused {kind} for this device: {exc}")
 
 
 @pytest.mark.parametrize("kind", list(_FUSED))
 def test_fused_kernels_do_what_the_backend_declares(backend, kind):
-    """Each fused optimizer kind (Adam, AdamW, SGD), handed found_inf = 1 on the device: what its
-    kernel really does (it skips, ignores found_inf, refuses it, has no kernel, or refuses the
-    optimizer) is what the backend says (``Backend.fused_found_inf``, else probed). A kernel that steps
-    although found_inf was set, declared as honouring it, trains on scaled and overflowed gradients:
-    op-plugin's _fused_adamw_ on Ascend does exactly that."""
+    """Each fused optimizer kind (Adam, AdamW, SGD, Adagrad), run on the device by the probe: handed
+    found_inf = 1, and handed found_inf = 0 with grad_scale = 1024 and the gradient multiplied by it,
+    compared with the unfused step on the unscaled gradient. What its kernel really does (it skips and
+    divides by grad_scale, skips but never divides, ignores found_inf, refuses it, has no kernel, or
+    refuses the optimizer) is what the backend says (``Backend.fused_found_inf``, else probed). A kernel
+    that steps although found_inf was set, declared as honouring it, trains on scaled and overflowed
+    gradients (op-plugin's _fused_adamw_ on Ascend does exactly that); one that skips but never divides,
+    declared as honouring both, trains on gradients multiplied by the loss scale."""
     from amp_backends.devices import fused
 
     dev = backend.device()
@@ -230,8 +234,13 @@ def test_fused_kernels_do_what_the_backend_declares(backend, kind):
     seen = fused.probe(opt, dev)
     if said.status == fused.HONOURS:
         assert seen.status == fused.HONOURS, (
-            f"{kind}(fused=True) on {dev}: the backend says its kernel honours found_inf, but it {seen.status} "
-            f"it ({seen.note}): declare {{'{kind}': '{seen.status}'}} in the backend's fused_found_inf")
+            f"{kind}(fused=True) on {dev}: the backend says its kernel skips on found_inf and divides by grad_scale, "
+            f"but it is {seen.status} ({seen.note}): declare {{'{kind}': '{seen.status}'}} in the backend's "
+            "fused_found_inf")
+    elif said.status == fused.SCALE_BLIND:  # unscaled first, then handed found_inf: it must skip on it
+        assert seen.status in (fused.HONOURS, fused.SCALE_BLIND), (
+            f"{kind}(fused=True) on {dev}: declared {said.status} (it skips on found_inf), but it is {seen.status} "
+            f"({seen.note}): declare {{'{kind}': '{seen.status}'}}")
     elif said.status in (fused.ABSENT, fused.REFUSED):
         assert seen.status in (fused.ABSENT, fused.REFUSED), (
             f"{kind}(fused=True) runs on {dev} ({seen.status}, {seen.note}) though the backend declares it "
@@ -249,26 +258,42 @@ def _state_of(opt: torch.optim.Optimizer) -> dict:
 def test_a_skipped_fused_step_leaves_the_weights_alone(backend, kind):
     """Through the scaler, a step with an inf gradient leaves the weights, and the optimizer's state,
     as they were with every fused optimizer kind the device can run, whatever its kernel does with
-    found_inf; the next clean step moves them."""
+    found_inf; the next clean step moves them, exactly as the unfused optimizer (``fused=False,
+    foreach=False``) moves a copy of the model through the scaler's plain path: a kernel handed
+    grad_scale that never divides by it would step on gradients multiplied by the loss scale."""
+    import copy
+
     from amp_backends.devices import fused
 
     dev = backend.device()
     model = torch.nn.Linear(4, 2).to(dev)
+    twin = copy.deepcopy(model)
     opt = _fused_optimizer(kind, model.parameters())
     if fused.kernel_of(backend, opt).status in (fused.ABSENT, fused.REFUSED):
         pytest.skip(f"{kind}(fused=True) cannot run on {backend.name}: {fused.kernel_of(backend, opt).note}")
+    unfused = _FUSED[kind](twin.parameters(), fused=False, foreach=False)
     scaler = amp_backends.GradScaler(backend, init_scale=2.0**8)
-    for poison in (False, True, False):
+    reference = amp_backends.GradScaler(backend, init_scale=2.0**8)
+    for poison in (False, True, False, False):
         before = [q.detach().cpu().clone() for q in model.parameters()]
         state = _state_of(opt)
-        opt.zero_grad()
-        loss = model(torch.ones(3, 4, device=dev)).float().sum()
-        if poison:
-            loss = loss * torch.full((), math.inf, device=dev)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+        for m, o, s in ((model, opt, scaler), (twin, unfused, reference)):
+            o.zero_grad()
+            loss = m(torch.ones(3, 4, device=dev)).float().sum()
+            if poison:
+                loss = loss * torch.full((), math.inf, device=dev)
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
         after = [q.detach().cpu() for q in model.parameters()]
+        for name, (got, want) in {"the weights": (after, [q.detach().cpu() for q in twin.parameters()]),
+                                  "the optimizer's state": (list(_state_of(opt).values()),
+                                                            list(_state_of(unfused).values()))}.items():
+            for a, b in zip(got, want):
+                if torch.is_tensor(a) and a.is_floating_point():
+                    torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-6, msg=lambda m, name=name: (
+                        f"{kind}(fused=True) through the scaler: {name} differ from the unfused optimizer's ({m}): "
+                        f"the kernel is {fused.kernel_of(backend, opt)}"))
         if poison:
             assert scaler.last_step_skipped, "the step with an inf gradient was not skipped"
             assert all(torch.equal(a, b) for a, b in zip(after, before)), (

@@ -27,9 +27,12 @@ __all__ = ["FP8_HARDWARE", "RECIPES", "Fp8UnavailableError", "eligibility", "eng
 
 #: torchao's float8 training recipes (see :data:`amp_backends.backend.FP8_RECIPES`).
 RECIPES = FP8_RECIPES
-#: The hardware whose matmuls take fp8 (torch._scaled_mm).
+#: The hardware whose matmuls take fp8 through torch._scaled_mm in torchao's recipes, as the backends
+#: declare it (docs/fp8.md: the sources, and which of them ran on the hardware).
 FP8_HARDWARE = ("NVIDIA GPUs of compute capability 8.9 and newer (Ada: L4, L40S, RTX 40xx; Hopper: H100, H200; "
-                "Blackwell) and AMD Instinct MI300 and MI350 (gfx942, gfx950)")
+                "Blackwell), AMD Instinct MI300 (gfx942) and, with ROCm 6.5+, MI350 (gfx950) and Radeon RX 9000 "
+                "(gfx1200, gfx1201), Intel GPUs with torch 2.10+, Ascend 950 (torch_npu with op-plugin 26.1.0+), "
+                "Moore Threads GPUs of compute capability 3.1+ (torch_musa) and Intel Gaudi 3 (tensorwise)")
 #: fp8 matmuls need both dimensions of the weight to be multiples of this.
 FP8_ALIGN = 16
 #: Where torchao's measured break-even lies (H100, torchao's performance tables): below it a layer's
@@ -129,14 +132,22 @@ def check_recipe(recipe: Any) -> str:
     return recipe
 
 
+def device_reason(be: Backend) -> str:
+    """Why ``be``'s device runs none of torchao's fp8 recipes: the backend's own words where its plugin
+    gives them (``fp8_unavailable_reason()``: what the device lacks, or what it has that the recipes
+    cannot use), else that it has no fp8 matmul."""
+    return be.fp8_unavailable_reason() or "has no fp8 matmul"
+
+
 def check_device(be: Backend, recipe: str, emulate: bool) -> None:
-    """Refuse fp8 where the backend's device has no fp8 matmul (unless emulated), or not this recipe."""
+    """Refuse fp8 where the backend's device has no fp8 matmul the recipes can use (unless emulated),
+    saying why in the backend's words, or not this recipe."""
     if emulate:
         return
     where = be.describe() or f"the {be.device_type!r} device"
-    if not be.fp8_dtypes():
+    if not be.fp8_dtypes() or not be.fp8_recipes():
         raise Fp8UnavailableError(
-            f"backend {be.name!r} ({where}) has no fp8 matmul: fp8 training runs on {FP8_HARDWARE}. "
+            f"backend {be.name!r} ({where}) {device_reason(be)}: fp8 training runs on {FP8_HARDWARE}. "
             "emulate=True runs fp8's numerics with high-precision matmuls, for tests only (slower than bf16)")
     if recipe not in be.fp8_recipes():
         raise Fp8UnavailableError(

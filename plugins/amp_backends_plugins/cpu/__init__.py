@@ -21,9 +21,18 @@ class CPUBackend(Backend):
     default_dtype = torch.bfloat16
     dist_backend = "gloo"
     priority = 0
-    #: torch's CPU kernels (aten/src/ATen/native/FusedAdam.cpp, FusedSGD.cpp) return when found_inf is 1
-    fused_found_inf = {kind: (HONOURS, "torch's CPU fused kernels skip when found_inf is 1")
-                       for kind in ("adam", "adamw", "sgd")}
+    #: torch's CPU kernels (aten/src/ATen/native/FusedAdam.cpp, FusedSGD.cpp, FusedAdagrad.cpp) return
+    #: when found_inf is 1 and divide each gradient by grad_scale (cpu/FusedAdamKernel.cpp,
+    #: cpu/FusedSGDKernel.cpp, cpu/FusedAdagradKernel.cpp ``adagrad_math``); fused Adagrad on the CPU
+    #: since pytorch PR 124905 (torch 2.4). Read from torch's source; the conformance suite checks each
+    #: here (tests run on the CPU).
+    fused_found_inf = {
+        **{kind: (HONOURS, "torch's CPU fused kernels skip when found_inf is 1 and divide by grad_scale "
+                           "(aten/src/ATen/native/cpu/FusedAdamKernel.cpp, FusedSGDKernel.cpp)")
+           for kind in ("adam", "adamw", "sgd")},
+        "adagrad": (HONOURS, "torch's CPU _fused_adagrad_ returns when found_inf is 1 (aten/src/ATen/native/"
+                             "FusedAdagrad.cpp) and divides by grad_scale (cpu/FusedAdagradKernel.cpp adagrad_math)"),
+    }
 
     def unavailable_reason(self) -> str | None:
         return None  # every machine has a CPU

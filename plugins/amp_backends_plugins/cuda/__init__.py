@@ -30,10 +30,22 @@ class CUDABackend(Backend):
     unscale_dtypes = (torch.float32, torch.float16, torch.float64)
     #: CUDA's autocast bans binary_cross_entropy (aten/src/ATen/autocast_mode.cpp): a policy runs nn.BCELoss in float32
     fp32_ops = ("binary_cross_entropy",)
-    #: torch's CUDA kernels (FusedAdamKernel.cu, FusedSgdKernel.cu: the functors return when
-    #: found_inf is 1); ROCm builds compile the same sources
-    fused_found_inf = {kind: (HONOURS, "torch's CUDA fused kernels skip when found_inf is 1")
-                       for kind in ("adam", "adamw", "sgd")}
+
+    @property  # type: ignore[override]
+    def fused_found_inf(self) -> dict[str, tuple[str, str]]:
+        """torch's CUDA kernels (``FusedAdamKernel.cu``, ``FusedSgdKernel.cu``; Adagrad:
+        ``fused_adagrad_utils.cuh`` ``FusedAdagradMathFunctor``): the functors return when found_inf
+        is 1 and divide each gradient by grad_scale; ROCm builds compile the same sources (hipified).
+        torch 2.13 enables ``Adagrad(fused=True)`` on CUDA (``torch/optim/adagrad.py`` calls
+        ``_device_dtype_check_for_fused(p)`` without ``cuda_unsupported``); an earlier torch refuses it
+        itself, so there Adagrad is left to the probe. Read from torch's source, not run on a GPU here."""
+        declared = {kind: (HONOURS, "torch's CUDA fused kernels skip when found_inf is 1 and divide by grad_scale "
+                                    "(aten/src/ATen/native/cuda/FusedAdamKernel.cu, FusedSgdKernel.cu)")
+                    for kind in ("adam", "adamw", "sgd")}
+        if torch_release() >= (2, 13):
+            declared["adagrad"] = (HONOURS, "torch's CUDA _fused_adagrad_ returns when found_inf is 1 and divides by "
+                                            "grad_scale (aten/src/ATen/native/cuda/fused_adagrad_utils.cuh)")
+        return declared
 
     def unavailable_reason(self) -> str | None:
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
@@ -80,26 +92,36 @@ class CUDABackend(Backend):
 
     def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
         """fp8 matmuls (``torch._scaled_mm``): NVIDIA from compute capability 8.9 (Ada, Hopper,
-        Blackwell) in the OCP formats; AMD gfx942 (MI300) in the fnuz formats, gfx950 (MI350) in OCP's."""
+        Blackwell) in the OCP formats; AMD by architecture and the ROCm release torch is built with
+        (:func:`rocm_fp8_dtypes`). Read from torch's source (``_scaled_mm_allowed_device``), not run
+        on a GPU here."""
         if not self.is_available() or not hasattr(torch, "float8_e4m3fn"):
             return ()
         if rocm_version() is not None:
-            arch = gcn_arch()
-            if arch == "gfx942":
-                return (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-            return (torch.float8_e4m3fn, torch.float8_e5m2) if arch == "gfx950" else ()
+            return rocm_fp8_dtypes(gcn_arch(), rocm_version())
         return (torch.float8_e4m3fn, torch.float8_e5m2) if torch.cuda.get_device_capability() >= (8, 9) else ()
 
     def fp8_recipes(self) -> tuple[str, ...]:
         """All three on NVIDIA (torch's rowwise kernels exist for sm89, sm9x and sm10x); on ROCm,
-        rowwise through hipBLASLt from torch 2.6 (pytorch#144432), tensorwise before."""
+        rowwise through hipBLASLt from torch 2.7 (pytorch PR 144432 landed after the 2.6 branch cut;
+        2.6 has it only in AMD's fork, ROCm/pytorch PR 1920), tensorwise before."""
         from amp_backends.precision.fp8.engine import RECIPES
 
         if not self.fp8_dtypes():
             return ()
-        if rocm_version() is not None and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 6):
+        if rocm_version() is not None and torch_release() < ROCM_ROWWISE_TORCH:
             return ("tensorwise",)
         return RECIPES
+
+    def fp8_unavailable_reason(self) -> str | None:
+        """Why this GPU runs no fp8 matmul through torch (None where it does)."""
+        if not self.is_available() or self.fp8_dtypes():
+            return None
+        if rocm_version() is None:
+            major, minor = torch.cuda.get_device_capability()
+            return (f"has no fp8 matmul: compute capability {major}.{minor}; torch's _scaled_mm needs 8.9+ "
+                    "(_scaled_mm_allowed_device)")
+        return "has no fp8 matmul through torch: " + rocm_fp8_refusal(gcn_arch(), rocm_version())
 
     def describe(self) -> str | None:
         """"NVIDIA H100 (CUDA 12.8, compute capability 9.0)" or "AMD Instinct MI300X (ROCm 6.2, gfx942)"."""
@@ -111,6 +133,48 @@ class CUDABackend(Backend):
             return f"{name} (ROCm {hip}, {gcn_arch() or 'unknown architecture'})"
         major, minor = torch.cuda.get_device_capability()
         return f"{name} (CUDA {torch.version.cuda}, compute capability {major}.{minor})"
+
+
+#: The first torch release whose ROCm builds have hipBLASLt rowwise fp8 (pytorch PR 144432).
+ROCM_ROWWISE_TORCH = (2, 7)
+#: AMD architectures whose matmuls take OCP fp8 in torch's ``_scaled_mm``, and the ROCm release torch
+#: must be built with: ``_scaled_mm_allowed_device`` (aten/src/ATen/native/cuda/ScaledBlas.cpp)
+#: admits gfx1200/gfx1201 from ROCM_VERSION 6.3 and gfx950 from 6.5, and ``_scaled_mm_out_cuda``
+#: refuses Float8_e4m3fn/Float8_e5m2 below ROCm 6.5 ("only supported for ROCm 6.5 and above";
+#: pytorch PR 193831 says the same of gfx120x), so both are declared from 6.5.
+ROCM_OCP_FP8 = {"gfx950": (6, 5), "gfx1200": (6, 5), "gfx1201": (6, 5)}
+
+
+def torch_release() -> tuple[int, int]:
+    """This torch's (major, minor)."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _release(version: str | None) -> tuple[int, int]:
+    parts = [int(p) for p in (version or "0.0").split(".")[:2] if p.isdigit()]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def rocm_fp8_dtypes(arch: str | None, rocm: str | None) -> tuple[torch.dtype, ...]:
+    """gfx942 (MI300): the fnuz formats (``_scaled_mm_is_fnuz``); gfx950 (MI350) and gfx1200/gfx1201
+    (Radeon RX 9000) on ROCm 6.5+: the OCP formats; others none."""
+    if arch == "gfx942":
+        return (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+    needed = ROCM_OCP_FP8.get(arch or "")
+    if needed is not None and _release(rocm) >= needed:
+        return (torch.float8_e4m3fn, torch.float8_e5m2)
+    return ()
+
+
+def rocm_fp8_refusal(arch: str | None, rocm: str | None) -> str:
+    needed = ROCM_OCP_FP8.get(arch or "")
+    if needed is not None:
+        return (f"{arch} takes OCP fp8, but this torch is built with ROCm {rocm}, and torch's _scaled_mm takes it "
+                f"there from ROCm {needed[0]}.{needed[1]} (_scaled_mm_allowed_device, _scaled_mm_out_cuda): install a "
+                f"ROCm {needed[0]}.{needed[1]}+ build of torch")
+    return (f"{arch or 'this architecture'} is not among the AMD GPUs torch's _scaled_mm takes (gfx942; gfx950, "
+            "gfx1200 and gfx1201 with ROCm 6.5+)")
 
 
 def rocm_version() -> str | None:

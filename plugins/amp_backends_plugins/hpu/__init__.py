@@ -21,6 +21,12 @@ from amp_backends.extension import ExtensionBackend
 
 __all__ = ["HPUBackend"]
 
+#: Intel Gaudi's own fp8 training stack, for what torchao's recipes cannot run here: the Intel Gaudi
+#: Transformer Engine (``habana_frameworks.torch.hpex.experimental.transformer_engine``, importing
+#: ``intel_transformer_engine``) over the bridge's ``hpu::fp8_gemm_v2`` (``habana_eager/eager_custom_op_register.cpp``).
+GAUDI_FP8 = ("Intel Gaudi's own fp8 stack (habana_frameworks.torch.hpex.experimental.transformer_engine, over "
+             "hpu::fp8_gemm_v2)")
+
 
 class HPUBackend(ExtensionBackend):
     """Mixed precision on Intel Gaudi through ``torch.autocast("hpu")``."""
@@ -65,6 +71,37 @@ class HPUBackend(ExtensionBackend):
         if module is None or self.unavailable_reason() is not None:
             return (torch.bfloat16,)
         return (torch.bfloat16, torch.float16) if self._fp16(module) else (torch.bfloat16,)
+
+    # -- fp8: read from the Gaudi bridge v1.19.0 (HabanaAI/gaudi-pytorch-bridge), not run on a Gaudi here --
+    def _fp8_generation(self) -> str | None:
+        module = self._load()
+        if module is None or self.unavailable_reason() is not None:
+            return None
+        return self._generation(module)
+
+    def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The bridge registers ``_scaled_mm`` for HPU (``scripts/hpu_op.yaml``, TPC guid ``fp8_gemm``;
+        ``hpu_ops/backend/scaled_mm_gen.cpp`` takes Float8_e5m2 and Float8_e4m3fn operands). Gaudi 2 and
+        3 have fp8 (its tests skip first-generation Gaudi: "Gaudi doesn't support fp8",
+        ``tests/pytest_working/any_mode/test_hpu_scaled_mm.py``)."""
+        generation = self._fp8_generation()
+        return (torch.float8_e4m3fn, torch.float8_e5m2) if generation in ("GAUDI2", "GAUDI3") else ()
+
+    def fp8_recipes(self) -> tuple[str, ...]:
+        """tensorwise on Gaudi 3 only: torchao's tensorwise backward multiplies e5m2 by e4m3fn, and the
+        bridge's tests run mixed operands on Gaudi 3 only ("mixed fp8 dtypes are supported only on
+        gaudi3"); its tests use only one-element scales, so no rowwise recipe is declared."""
+        return ("tensorwise",) if self._fp8_generation() == "GAUDI3" else ()
+
+    def fp8_unavailable_reason(self) -> str | None:
+        generation = self._fp8_generation()
+        if generation is None or self.fp8_recipes():
+            return None
+        if generation == "GAUDI2":
+            return ("has fp8 matmuls (_scaled_mm, float8_e4m3fn and float8_e5m2) that none of torchao's recipes can use "
+                    "here: tensorwise needs e5m2 x e4m3fn, which the Gaudi bridge runs on Gaudi 3 only, and rowwise "
+                    f"scales are untested by it (test_hpu_scaled_mm.py); for fp8 on Gaudi 2 use {GAUDI_FP8}")
+        return f"has no fp8 matmul: {generation.title()} has no fp8 (Gaudi 2 and later have; see {GAUDI_FP8})"
 
     def describe(self) -> str | None:
         module = self._load()

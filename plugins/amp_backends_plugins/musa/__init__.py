@@ -16,7 +16,11 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
-from amp_backends.devices.fused import HONOURS, REFUSED
+from amp_backends.devices.fused import ABSENT, HONOURS, REFUSED
+
+#: torch_musa's ``_scaled_mm`` (``csrc/aten/ops/Matmul.cpp`` ``ScaledMatmulOut``) refuses a device below
+#: MUSA arch 310 (``getMUSAArch()``: major * 100 + minor * 10, ``csrc/aten/musa/MUSAContext.cpp``).
+FP8_CAPABILITY = (3, 1)
 
 
 class MUSABackend(ExtensionBackend):
@@ -35,14 +39,20 @@ class MUSABackend(ExtensionBackend):
     unscale_dtypes = (torch.float32, torch.float16, torch.float64)
     #: torch_musa's autocast is CUDA's, which bans binary_cross_entropy
     fp32_ops = ("binary_cross_entropy",)
-    #: torch_musa (csrc/aten/ops/FusedAdam.cpp) refuses torch's fused Adam and AdamW with a TORCH_CHECK;
-    #: its _fused_sgd_ kernel (musa/FusedSgdKernel.mu) returns when found_inf is 1
+    #: Read from torch_musa 2.7.1's source (not run on MUSA hardware): it refuses torch's fused Adam and
+    #: AdamW with a TORCH_CHECK (csrc/aten/ops/FusedAdam.cpp); its _fused_sgd_ kernel returns when
+    #: found_inf is 1 and divides by grad_scale (csrc/aten/ops/musa/FusedSgdKernel.mu); it registers no
+    #: _fused_adagrad_ (csrc/aten/ops/musa_functions.yaml) and has no CPU fallback, so fused Adagrad
+    #: raises NotImplementedError.
     fused_found_inf = {
         "adam": (REFUSED, "torch_musa refuses torch.optim.Adam(fused=True) (csrc/aten/ops/FusedAdam.cpp): use "
                           "torch_musa.optim.FusedAdam, or fused=False"),
         "adamw": (REFUSED, "torch_musa refuses torch.optim.AdamW(fused=True) (csrc/aten/ops/FusedAdam.cpp): use "
                            "torch_musa.optim.FusedAdamW, or fused=False"),
-        "sgd": (HONOURS, "torch_musa's _fused_sgd_ kernel skips when found_inf is 1"),
+        "sgd": (HONOURS, "torch_musa's _fused_sgd_ kernel skips when found_inf is 1 and divides by grad_scale "
+                         "(csrc/aten/ops/musa/FusedSgdKernel.mu)"),
+        "adagrad": (ABSENT, "torch_musa registers no _fused_adagrad_ (csrc/aten/ops/musa_functions.yaml) and has no "
+                            "CPU fallback: use Adagrad(fused=False)"),
     }
     built_for_torch = "2.7.1"
 
@@ -62,6 +72,24 @@ class MUSABackend(ExtensionBackend):
             major, minor = self._capability(module)
             return f"this GPU's compute capability {major}.{minor} is below 2.2, the first with bf16 math"
         return super().emulation_reason(dtype)
+
+    def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+        """torch_musa's ``_scaled_mm`` (``csrc/aten/ops/musa_functions.yaml``; ``Matmul.cpp``
+        ``ScaledMatmulOut``) runs from compute capability 3.1 (MP31): any float8 operands, float32
+        scales of one element or one per row of mat1 / column of mat2. Read from torch_musa 2.7.1's
+        source; not run on MUSA hardware."""
+        module = self._load()
+        if module is None or not self.is_available() or self._capability(module) < FP8_CAPABILITY:
+            return ()
+        return (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def fp8_unavailable_reason(self) -> str | None:
+        module = self._load()
+        if module is None or not self.is_available() or self.fp8_dtypes():
+            return None
+        major, minor = self._capability(module)
+        return (f"has no fp8 matmul: compute capability {major}.{minor}; torch_musa's _scaled_mm needs 3.1 (MP31) "
+                "and refuses below (csrc/aten/ops/Matmul.cpp ScaledMatmulOut)")
 
     @staticmethod
     def _capability(module: Any) -> tuple[int, int]:

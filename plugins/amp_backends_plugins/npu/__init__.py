@@ -22,13 +22,38 @@ docs/backends/npu.md.
 from __future__ import annotations
 
 import importlib
+import os
+import re
 from typing import Any
 
 import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
-from amp_backends.devices.fused import ABSENT, HONOURS, IGNORES
+from amp_backends.devices.fused import ABSENT, HONOURS, IGNORES, SCALE_BLIND
+
+#: ``c10_npu::SocVersion`` (torch_npu ``csrc/core/npu/NpuVariables.h``): what
+#: ``torch_npu._C._npu_get_soc_version()`` returns for the first chips with inf/NaN mode and bf16
+#: (Ascend910B1) and for the first with op-plugin's ``_scaled_mm`` (Ascend950).
+ASCEND910B1, ASCEND950 = 220, 260
+
+
+def cpu_fallback_enabled() -> bool:
+    """torch_npu runs an op without an NPU kernel on the CPU (``csrc/aten/VariableFallbackKernel.cpp``
+    ``npu_cpu_fallback``, with a warning) unless ``TORCH_NPU_FALLBACK_CPU_DISABLE`` is a non-zero
+    integer (``OptionsManager::IsCpuFallbackEnable``, strtol; torch_npu master since 2026-08-20, older
+    releases ignore it and always fall back)."""
+    match = re.match(r"\s*[+-]?\d+", os.environ.get("TORCH_NPU_FALLBACK_CPU_DISABLE", ""))
+    return match is None or int(match.group()) == 0
+
+
+def _fallback_kernel(op: str, kind: str) -> tuple[str, str]:
+    """The declaration for an optimizer op-plugin has no NPU kernel for."""
+    if cpu_fallback_enabled():
+        return (HONOURS, f"op-plugin registers no {op}: torch_npu's CPU fallback (csrc/aten/VariableFallbackKernel.cpp "
+                         "npu_cpu_fallback) runs torch's CPU kernel, which skips and divides, slowly and with a warning")
+    return (ABSENT, f"op-plugin registers no {op} and TORCH_NPU_FALLBACK_CPU_DISABLE turns off torch_npu's CPU "
+                    f"fallback (csrc/framework/utils/CpuFallbackUtils.h): use {kind}(fused=False), or unset it")
 
 
 class NPUBackend(ExtensionBackend):
@@ -47,16 +72,68 @@ class NPUBackend(ExtensionBackend):
     #: torch_npu's autocast bans binary_cross_entropy (csrc/aten/AutoCastOps.cpp), as CUDA's does
     fp32_ops = ("binary_cross_entropy",)
     state_dict_dynamic = True  # torch_npu's scaler requires "dynamic" in a checkpoint it loads
-    #: op-plugin (op_plugin/config/op_plugin_functions.yaml, op_plugin/ops/opapi/): _fused_adamw_ takes
-    #: grad_scale and found_inf and reads neither (FusedAdamWKernelNpuOpApi.cpp); no _fused_adam_;
-    #: _fused_sgd_ returns when found_inf is 1 (FusedSgdKernelOpApi.cpp)
-    fused_found_inf = {
-        "adamw": (IGNORES, "op-plugin's _fused_adamw_ never reads grad_scale or found_inf "
-                           "(FusedAdamWKernelNpuOpApi.cpp): the scaler unscales and skips it from the host"),
-        "adam": (ABSENT, "op-plugin registers no _fused_adam_ for the NPU (op_plugin_functions.yaml): use "
-                         "AdamW(fused=True), or Adam(fused=False)"),
-        "sgd": (HONOURS, "op-plugin's _fused_sgd_ returns when found_inf is 1 (FusedSgdKernelOpApi.cpp)"),
-    }
+    @property  # type: ignore[override]
+    def fused_found_inf(self) -> dict[str, tuple[str, str]]:
+        """Read from op-plugin (``op_plugin/config/op_plugin_functions.yaml``, ``op_plugin/ops/opapi/``)
+        and torch_npu (master), not run on an Ascend NPU here:
+
+        - ``_fused_adamw_`` takes grad_scale and found_inf and reads neither
+          (``FusedAdamWKernelNpuOpApi.cpp``): ignores; the scaler checks, skips or unscales from the host;
+        - ``_fused_sgd_`` returns when found_inf is 1 (``FusedSgdKernelOpApi.cpp``, a host read) and
+          hands grad_scale to CANN's ``aclnnFusedSgd``, whose use of it op-plugin does not show: not
+          trusted to divide, so the scaler unscales first and hands grad_scale None (an empty tensor
+          to ``aclnnFusedSgd``);
+        - no ``_fused_adam_``, ``_fused_adamw_.tensor_lr`` or ``_fused_adagrad_``: torch_npu's CPU
+          fallback runs torch's CPU kernels (they skip and divide), unless it is turned off."""
+        return {
+            "adamw": (IGNORES, "op-plugin's _fused_adamw_ never reads grad_scale or found_inf "
+                               "(FusedAdamWKernelNpuOpApi.cpp): the scaler unscales and skips it from the host"),
+            "adam": _fallback_kernel("_fused_adam_", "Adam"),
+            "sgd": (SCALE_BLIND, "op-plugin's _fused_sgd_ returns when found_inf is 1 (FusedSgdKernelOpApi.cpp) and "
+                                 "hands grad_scale to CANN's aclnnFusedSgd, whose use of it op-plugin does not show"),
+            "adagrad": _fallback_kernel("_fused_adagrad_", "Adagrad"),
+        }
+
+    def _soc_version(self) -> int | None:
+        """``torch_npu._C._npu_get_soc_version()`` (``c10_npu::SocVersion``), None where unknown."""
+        if self._load() is None:
+            return None
+        try:
+            return int(self._submodule("_C")._npu_get_soc_version())
+        except Exception:  # noqa: BLE001 - an unknown chip has no declared fp8
+            return None
+
+    def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+        """op-plugin's ``_scaled_mm`` (``op_plugin/ops/opapi/ScaledMmKernelNpuOpApi.cpp``, op-plugin
+        master and 26.1.0; torch 2.7+): on Ascend950 and later only, operands float8_e4m3fn or
+        float8_e5m2 (not both e5m2, which torchao's recipes never pair), float32 or e8m0 scales, no
+        scale_result. Declared where the chip is an Ascend950 and a kernel for ``_scaled_mm`` is
+        registered on the NPU (older op-plugin has none: torch_npu's CPU fallback would run it on the
+        host). Read from op-plugin's source; not run on an Ascend NPU."""
+        if not self.is_available() or (self._soc_version() or 0) < ASCEND950:
+            return ()
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm", "PrivateUse1"):
+            return ()
+        return (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def fp8_recipes(self) -> tuple[str, ...]:
+        """All three: op-plugin takes tensorwise (singleton) scales for e4m3fn and e5m2 operands, and
+        recognises rowwise ([M, 1] x [1, N] float32) scales when both operands are e4m3fn, which is
+        what torchao's rowwise recipes cast to (torchao repeats a tensorwise scale along the axis when
+        the other operand is rowwise)."""
+        from amp_backends.precision.fp8.engine import RECIPES
+
+        return RECIPES if self.fp8_dtypes() else ()
+
+    def fp8_unavailable_reason(self) -> str | None:
+        if not self.is_available() or self.fp8_dtypes():
+            return None
+        soc = self._soc_version()
+        if soc is None or soc < ASCEND950:
+            return (f"has no fp8 matmul: this Ascend chip (SocVersion {soc}) is below Ascend950, the first op-plugin's "
+                    "_scaled_mm runs on (ScaledMmKernelNpuOpApi.cpp)")
+        return ("has no fp8 matmul through this torch_npu: its op-plugin registers no _scaled_mm for the NPU (added in "
+                "op-plugin 26.1.0), so torch_npu's CPU fallback would run it on the host: upgrade torch_npu")
 
     _saturation: bool | None = None
 

@@ -16,11 +16,28 @@ from typing import Any
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.devices.fused import HONOURS
 
 __all__ = ["XPUBackend"]
 
 #: Variables that choose which Intel GPUs are visible (oneAPI Level Zero, the SYCL runtime).
 VISIBLE = ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR")
+#: torch-xpu-ops' fused optimizer kernels, by the torch release that pins them (its ``release/X.Y``
+#: branches: ``yaml/native/native_functions.yaml`` dispatches them to XPU): Adam, AdamW and SGD from 2.6
+#: (``src/ATen/native/xpu/sycl/FusedAdamUtils.h``, ``FusedSgdKernels.cpp``), Adagrad from 2.13
+#: (``FusedAdagradKernels.cpp``). Each returns when found_inf is 1 and divides the gradients by grad_scale.
+FUSED_SINCE = {"adam": (2, 6), "adamw": (2, 6), "sgd": (2, 6), "adagrad": (2, 13)}
+_FUSED_SOURCE = {"adam": "sycl/FusedAdamUtils.h", "adamw": "sycl/FusedAdamUtils.h", "sgd": "sycl/FusedSgdKernels.cpp",
+                 "adagrad": "sycl/FusedAdagradKernels.cpp"}
+#: The first torch with a native XPU ``_scaled_mm`` (oneDNN, ``aten/src/ATen/native/mkldnn/xpu/ScaledBlas.cpp``
+#: ``_scaled_mm_out_xpu``: tensorwise and rowwise scales, e4m3fn and e5m2; pytorch PRs 165978 and 166056).
+#: torch 2.5 to 2.9 list ``_scaled_mm`` in torch-xpu-ops' CPU fallback (``XPUFallback.template``).
+FP8_TORCH = (2, 10)
+
+
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def _module() -> Any:
@@ -54,6 +71,30 @@ class XPUBackend(Backend):
             hint = f" ({', '.join(set_vars)} decides which are visible)" if set_vars else ""
             return f"no Intel GPU visible: torch.xpu.device_count() is 0{hint}; check the driver with xpu-smi"
         return None
+
+    @property  # type: ignore[override]
+    def fused_found_inf(self) -> dict[str, tuple[str, str]]:
+        """The fused kernels this torch's XPU build has (:data:`FUSED_SINCE`), read from torch-xpu-ops'
+        source (not run on an Intel GPU here); on an older torch each kind is probed on the device."""
+        release = _torch_release()
+        return {kind: (HONOURS, f"torch-xpu-ops' fused kernel (src/ATen/native/xpu/{_FUSED_SOURCE[kind]}, torch "
+                                f"{since[0]}.{since[1]}+) skips when found_inf is 1 and divides by grad_scale")
+                for kind, since in FUSED_SINCE.items() if release >= since}
+
+    def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+        """From torch 2.10 (:data:`FP8_TORCH`): e4m3fn and e5m2 operands, tensorwise or rowwise scales
+        (both operands alike, which torchao's recipes give). torch gates no GPU generation; oneDNN runs
+        it per GPU. Read from torch's source; not run on an Intel GPU."""
+        if not self.is_available() or _torch_release() < FP8_TORCH:
+            return ()
+        return (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def fp8_unavailable_reason(self) -> str | None:
+        if not self.is_available() or self.fp8_dtypes():
+            return None
+        return (f"has no fp8 matmul on the GPU in torch {torch.__version__}: torch's native XPU _scaled_mm came in "
+                "torch 2.10 (torch 2.5 to 2.9 run it on the CPU through torch-xpu-ops' fallback, XPUFallback.template)"
+                ": upgrade torch")
 
     def _bf16(self, emulation: bool) -> bool:
         query = getattr(_module(), "is_bf16_supported", None)

@@ -13,7 +13,13 @@ What it keeps of the real torch_mlu (branch r2.4_develop; the files named are to
 - ``csrc/aten/autocast_mode.cpp``: torch's (CUDA's) lists, ``binary_cross_entropy`` banned,
   ``norm`` and ``linalg_vector_norm`` in float32;
 - ``mlu/amp/autocast_mode.py``, ``mlu/amp/grad_scaler.py``: deprecated wrappers of
-  ``torch.autocast("mlu")`` and ``torch.amp.GradScaler("mlu")``.
+  ``torch.autocast("mlu")`` and ``torch.amp.GradScaler("mlu")``;
+- ``codegen/mlu_functions.yaml``: ``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_`` have MLU kernels
+  (the simulation runs torch's, which skip and divide as the BANG kernels do); no ``_fused_adagrad_``
+  and no ``_scaled_mm``: ``csrc/aten/MLUFallback.cpp`` runs them on the CPU after its warning
+  (``mlu_fallback``, on by default; ``ENABLE_FALLBACK_TO_CPU=0``/``OFF``/``off`` turns it off, and the
+  op raises ``mlu_disable_fallback``'s NotImplementedError). On the CPU, fused Adagrad runs torch's
+  kernel; ``_scaled_mm`` fails, as torch 2.4 (what torch_mlu r2.4 is built for) has no CPU kernel for it.
 
 ``AMP_SIM_MLU_CHIP`` = ``MLU590`` (default: bf16) or ``MLU370`` (fp16 only).
 ``AMP_SIM_MLU`` = ``broken`` (installed, fails to import: a driver library missing) or
@@ -96,6 +102,40 @@ class _MLUModule(simdevice._DeviceModule):
         return self.get_device_capability()[0] >= 5
 
 
+#: csrc/aten/MLUFallback.cpp getFallbackEnabledEnvVar: read once, when torch_mlu loads.
+CPU_FALLBACK = os.environ.get("ENABLE_FALLBACK_TO_CPU") not in ("0", "OFF", "off")
+_FALLBACK_WARNING = ("The operator '{op}' is not currently supported on the MLU backend and will fall back to run on "
+                     "the CPU. This may have performance implications.")
+
+
+def _disabled(qualified: str) -> NotImplementedError:
+    """``mlu_disable_fallback``: an op without an MLU kernel, the CPU fallback off."""
+    return NotImplementedError(
+        f"The operator 'aten::{qualified}' is not currently implemented for the MLU device. If you want this op to be "
+        "added, please contact the engineer of Cambricon. As a temporary fix, you can set the environment variable "
+        "`ENABLE_FALLBACK_TO_CPU=1` to use the CPU as a fallback for this op. WARNING: this will be slower than "
+        "running natively on MLU.")
+
+
+def _no_kernel(qualified: str):  # type: ignore[no-untyped-def]
+    return simdevice.host_fallback(qualified, _FALLBACK_WARNING, None if CPU_FALLBACK else _disabled(qualified))
+
+
+def _no_cpu_kernel_either(qualified: str):  # type: ignore[no-untyped-def]
+    """An op torch_mlu has no kernel for and torch 2.4 has no CPU kernel for: the fallback warns, then
+    the CPU dispatch fails (torch 2.4's dispatcher error)."""
+    def kernel(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not CPU_FALLBACK:
+            raise _disabled(qualified)
+        warnings.warn(_FALLBACK_WARNING.format(op=f"aten::{qualified}"), UserWarning, stacklevel=2)
+        raise NotImplementedError(
+            f"Could not run 'aten::{qualified.split('.')[0]}' with arguments from the 'CPU' backend. This could be "
+            "because the operator doesn't exist for this backend, or was omitted during the selective/custom build "
+            "process (if using custom build).")
+
+    return kernel
+
+
 mlu = simdevice.install(
     "mlu",
     bf16=CHIPS[_CHIP][0] >= 5,
@@ -107,6 +147,8 @@ mlu = simdevice.install(
     unscale_message="Currently amp_unscale only support float32 and float16 dtype, not implemented for {dtype}",
     unscale_large_message="Not implemented large tensor.",
     module_class=_MLUModule,
+    kernels={**{q: _no_kernel(q) for q in ("_fused_adagrad_", "_fused_adagrad_.tensor_lr")},
+             **{q: _no_cpu_kernel_either(q) for q in ("_scaled_mm", "_scaled_mm.out")}},
 )
 
 

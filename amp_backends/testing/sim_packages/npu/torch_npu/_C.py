@@ -20,6 +20,19 @@ def _npu_setOption(option: dict[str, str]) -> None:  # noqa: N802
     _apply_precision_mode()
 
 
+def _npu_get_soc_version() -> int:  # noqa: N802 - torch_npu's name
+    """``c10_npu::GetSocVersion()`` as an int (``csrc/npu/Module.cpp``): the simulated chip's."""
+    import torch_npu
+
+    return torch_npu.SOC
+
+
+def _npu_is_support_inf_nan() -> bool:  # noqa: N802
+    import torch_npu
+
+    return torch_npu.INF_NAN
+
+
 def allow_fp32_to_fp16() -> bool:
     """``IsAllowFP32ToFP16``: the option where set, else the chip's default (allowed below Ascend910B1)."""
     import torch_npu
@@ -29,7 +42,7 @@ def allow_fp32_to_fp16() -> bool:
         return False
     if value == "allow_fp32_to_fp16":
         return True
-    return not torch_npu.INF_NAN
+    return torch_npu.SOC < torch_npu.SOCS["Ascend910B1"]
 
 
 def _apply_precision_mode() -> None:

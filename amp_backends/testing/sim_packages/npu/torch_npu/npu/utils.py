@@ -12,6 +12,13 @@ def is_support_inf_nan() -> bool:
     return torch_npu.INF_NAN
 
 
+def get_soc_version() -> int:
+    """``npu/_backends.py`` ``get_soc_version``: ``c10_npu::SocVersion`` of the chip (Ascend950: 260)."""
+    from torch_npu import _C
+
+    return _C._npu_get_soc_version()
+
+
 def is_bf16_supported() -> bool:
     """Whether the chip runs bf16 (``AMP_SIM_NPU_BF16=0`` for one without)."""
     import torch_npu
