@@ -8,6 +8,7 @@ already on the model."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 
@@ -258,3 +259,136 @@ def test_the_recipe_without_example_inputs_says_how_it_guessed_the_head():
     found = precision_policy(ClassifierFirst(), example_inputs=torch.randn(2, 4))
     assert "recipe: the final classifier / head" in found.selected.get("classifier", "")
     assert "body" not in found.selected
+
+
+# -- the compiled-backward hold travels with the float32 wrappers (copies, collection, pickles) ------
+def _setting() -> object:
+    from torch._functorch import config
+
+    return getattr(config, "backward_pass_autocast", None)
+
+
+def _mlp3() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+
+
+def _grads(model: nn.Module, x: torch.Tensor, compiled: bool) -> list[torch.Tensor]:
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    with torch.autocast("cpu", torch.bfloat16):
+        out = run(x)
+    out.float().square().sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+needs_setting = pytest.mark.skipif(_setting() is None, reason="this torch has no backward_pass_autocast setting")
+
+
+@pytest.fixture
+def fresh_setting():
+    """No leftover hold from another test (an unremoved policy holds until its model is collected),
+    and a fresh compile cache (copies of one model share its code objects)."""
+    import gc
+
+    gc.collect()
+    torch._dynamo.reset()
+    before = _setting()
+    assert before == "same_as_forward", before
+    yield before
+    torch._dynamo.reset()
+
+
+@needs_setting
+def test_a_deep_copy_kept_after_remove_compiles_its_backward_as_eager(fresh_setting):
+    """The copy's float32 modules keep their float32 backward under AOTAutograd after the original's
+    policy is removed: its compiled gradients equal eager's bitwise (without the hold the head's and the
+    norm's backward run in bf16: measured up to 0.06 apart)."""
+    import gc
+
+    model = _mlp3()
+    policy = precision_policy(model)
+    eager_copy, compiled_copy = copy.deepcopy(model), copy.deepcopy(model)
+    policy.remove()
+    gc.collect()
+    assert _setting() == "off", "the copies' float32 wrappers still hold it"
+    x = torch.randn(8, 16)
+    for (name, _), a, b in zip(model.named_parameters(), _grads(eager_copy, x, False), _grads(compiled_copy, x, True)):
+        assert torch.equal(a, b), name
+    del eager_copy, compiled_copy
+    torch._dynamo.reset()
+    gc.collect()
+    assert _setting() == fresh_setting, "torch's value is back once no float32 wrapper lives"
+
+
+@needs_setting
+def test_a_copy_keeps_the_hold_after_the_original_is_garbage_collected(fresh_setting):
+    import gc
+
+    model = _mlp3()
+    precision_policy(model)  # never removed
+    eager_copy, compiled_copy = copy.deepcopy(model), copy.deepcopy(model)
+    del model
+    gc.collect()
+    assert _setting() == "off"
+    x = torch.randn(8, 16)
+    for a, b in zip(_grads(eager_copy, x, False), _grads(compiled_copy, x, True)):
+        assert torch.equal(a, b)
+    del eager_copy, compiled_copy
+    torch._dynamo.reset()
+    gc.collect()
+    assert _setting() == fresh_setting
+
+
+@needs_setting
+def test_a_model_unpickled_in_a_fresh_process_compiles_its_backward_as_eager(tmp_path):
+    """A whole-model pickle, loaded where no policy was ever made: its float32 modules hold the setting
+    from the moment they are unpickled, and the compiled gradients equal eager's bitwise."""
+    from conftest import run_json
+
+    model = _mlp3()
+    precision_policy(model)
+    torch.save(model, tmp_path / "model.pt")
+    out = run_json(f"""
+    import copy, gc, json, warnings
+    import torch
+    from torch._functorch import config
+    warnings.simplefilter("ignore")
+    before = config.backward_pass_autocast
+    model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+    held = config.backward_pass_autocast
+    x = torch.randn(8, 16)
+    grads = []
+    for compiled in (False, True):
+        twin = copy.deepcopy(model)
+        run = torch.compile(twin, backend="aot_eager") if compiled else twin
+        with torch.autocast("cpu", torch.bfloat16):
+            out = run(x)
+        out.float().square().sum().backward()
+        grads.append([p.grad for p in twin.parameters()])
+    equal = all(torch.equal(a, b) for a, b in zip(*grads))
+    del model, twin, run
+    torch._dynamo.reset()
+    gc.collect()
+    print(json.dumps({{"before": before, "held": held, "equal": equal, "after": config.backward_pass_autocast}}))
+    """)
+    assert out == {"before": "same_as_forward", "held": "off", "equal": True, "after": "same_as_forward"}
+
+
+@needs_setting
+@pytest.mark.parametrize("users", ["off", "same_as_forward", [{"device_type": "cpu", "dtype": torch.bfloat16}]],
+                         ids=["off", "same_as_forward", "list"])
+def test_remove_keeps_a_compile_setting_the_user_set_while_the_policy_held_it(fresh_setting, users):
+    from torch._functorch import config
+
+    try:
+        policy = precision_policy(_model())
+        assert _setting() == "off"
+        config.backward_pass_autocast = users  # the user's own choice, made while the policy holds it
+        policy.remove()
+        assert _setting() == users, "the user's value stays, even one equal to what the policy had set"
+        config.backward_pass_autocast = fresh_setting
+        untouched = precision_policy(_model())
+        untouched.remove()
+        assert _setting() == fresh_setting, "a setting nobody changed comes back"
+    finally:
+        config.backward_pass_autocast = fresh_setting

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import weakref
 from typing import Any
 
@@ -59,13 +58,27 @@ class Fp32Forward:
 
     Every policy selecting the module holds the same wrapper (``holders``: policy id -> the device
     types it named); the wrapper works while anyone holds it, and passes straight through once no one
-    does but something was wrapped on top of it since (an Accelerate hook, a user's own wrapper)."""
+    does but something was wrapped on top of it since (an Accelerate hook, a user's own wrapper).
+
+    A wrapper with holders keeps torch.compile's backward as eager's (:func:`hold_eager_backward`)
+    for as long as it lives, wherever it went: a deep copy, a model unpickled in another process."""
 
     def __init__(self, module: nn.Module, previous: Any = None) -> None:
         self.module = module
         #: the instance's own forward before the policy (another wrapper), or None: the class's
         self.previous = previous
         self.holders: dict[int, tuple[str, ...]] = {}
+
+    def hold(self, policy: int, device_types: tuple[str, ...]) -> None:
+        """``policy`` runs the module in float32 (autocast off also for ``device_types``)."""
+        self.holders[policy] = device_types
+        hold_eager_backward(self)
+
+    def release(self, policy: int) -> None:
+        """``policy`` no longer does; with no holder left the wrapper passes through."""
+        self.holders.pop(policy, None)
+        if not self.holders:
+            release_eager_backward(self)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -96,7 +109,17 @@ class Fp32Forward:
     def __deepcopy__(self, memo: dict[int, Any]) -> Fp32Forward:
         copied = Fp32Forward(copy.deepcopy(self.module, memo), copy.deepcopy(self.previous, memo))
         copied.holders = dict(self.holders)
+        if copied.holders:
+            hold_eager_backward(copied)
         return copied
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.holders:  # a model pickled with its policy: the float32 modules' backward stays eager's
+            hold_eager_backward(self)
 
     @property
     def __globals__(self) -> dict[str, Any]:
@@ -107,44 +130,65 @@ class Fp32Forward:
         )
 
 
-#: The holds keeping torch.compile's backward autocast off (see :func:`hold_eager_backward`); not
-#: empty exactly while this module has switched torch's setting from "same_as_forward" to "off".
-_BACKWARD_HOLDERS: set[int] = set()
-_HOLDS = itertools.count()
+#: The wrappers with holders that are alive (id -> weak reference): while there is one, torch's
+#: setting is "off" (where this module switched it; see :func:`hold_eager_backward`).
+_HELD: dict[int, weakref.ReferenceType] = {}
+#: "off", as an object of this module's own: the value it set is told from a user's "off" by identity.
+_OFF = "".join(("of", "f"))  # noqa: FLY002 - a new object, not the interned literal
+#: The value the setting had before this module switched it to :data:`_OFF` (empty: not switched).
+_BEFORE: list[Any] = []
 
 
-def hold_eager_backward(model: nn.Module) -> int:
-    """Keep torch.compile's backward as eager's while a policy selects modules.
+def hold_eager_backward(wrapper: Fp32Forward) -> None:
+    """Keep torch.compile's backward as eager's while ``wrapper`` (a float32 module's) is alive and held.
 
     AOTAutograd traces a compiled region's backward under the autocast active when its forward ran
     (``torch._functorch.config.backward_pass_autocast = "same_as_forward"``, torch's default through
     2.13, deprecated upstream): the backward of a module a policy runs in float32 (autocast off inside
     it) then runs its matmuls in float16/bfloat16, where eager runs them in float32 (pytorch#179804).
-    While a policy holds modules, the setting is ``"off"``, eager's semantics (backward outside
-    autocast, as the AMP recipe writes it); a value the user chose is left alone. Returns the hold,
-    for :func:`release_eager_backward`; it ends by itself when ``model`` is garbage collected (a
-    policy never removed)."""
-    hold = next(_HOLDS)
-    config = _functorch_config()
-    if config is None:
-        return hold
-    if not _BACKWARD_HOLDERS:
-        if config.backward_pass_autocast != "same_as_forward":
-            return hold  # the user's own value: left alone
-        config.backward_pass_autocast = "off"
-    _BACKWARD_HOLDERS.add(hold)
-    weakref.finalize(model, release_eager_backward, hold)
-    return hold
-
-
-def release_eager_backward(hold: int) -> None:
-    """The hold ends; torch's setting comes back when no policy holds it."""
-    if hold not in _BACKWARD_HOLDERS:
+    While any held wrapper lives (the policy's, a deep copy's, an unpickled model's), the setting is
+    ``"off"``, eager's semantics (backward outside autocast, as the AMP recipe writes it); a value the
+    user chose is left alone. The hold ends with :func:`release_eager_backward` or when the wrapper
+    is garbage collected."""
+    key = id(wrapper)
+    if key in _HELD:
         return
-    _BACKWARD_HOLDERS.discard(hold)
+    _HELD[key] = weakref.ref(wrapper, lambda ref, key=key: _collected(key, ref))
+    if len(_HELD) == 1:
+        _switch_off()
+
+
+def release_eager_backward(wrapper: Fp32Forward) -> None:
+    """``wrapper``'s hold ends; torch's setting comes back when no wrapper holds it."""
+    if _HELD.pop(id(wrapper), None) is not None and not _HELD:
+        _switch_back()
+
+
+def _collected(key: int, ref: weakref.ReferenceType) -> None:
+    if _HELD.get(key) is ref:
+        del _HELD[key]
+        if not _HELD:
+            _switch_back()
+
+
+def _switch_off() -> None:
     config = _functorch_config()
-    if not _BACKWARD_HOLDERS and config is not None and config.backward_pass_autocast == "off":
-        config.backward_pass_autocast = "same_as_forward"  # unless the user changed it meanwhile
+    if config is None or _BEFORE:
+        return
+    value = config.backward_pass_autocast
+    if isinstance(value, str) and value == "same_as_forward":  # else the user's own value: left alone
+        _BEFORE.append(value)
+        config.backward_pass_autocast = _OFF
+
+
+def _switch_back() -> None:
+    """torch's value again, unless the setting changed since it was switched: then it is the user's."""
+    config = _functorch_config()
+    if config is None or not _BEFORE:
+        return
+    before = _BEFORE.pop()
+    if config.backward_pass_autocast is _OFF:
+        config.backward_pass_autocast = before
 
 
 def _functorch_config() -> Any:

@@ -20,14 +20,14 @@ per module, float32 beats fp8, which beats the autocast dtype.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .fp32_forward import Fp32Forward, hold_eager_backward, release_eager_backward
+from .fp32_forward import Fp32Forward
 from .fp8.convert import Fp8Conversion, convert
 from .selectors import NORM_TYPES, RECIPE, Selector, check_selectors, recipe_head, select
 
@@ -64,7 +64,6 @@ class PrecisionPolicy:
     #: how the recipe found the head ("" without the recipe)
     head_found_by: str = ""
     _fp8: Fp8Conversion | None = field(default=None, repr=False)
-    _hold: int | None = field(default=None, repr=False)
     _removed: bool = field(default=False, repr=False)
 
     @property
@@ -108,16 +107,13 @@ class PrecisionPolicy:
         if self._fp8 is not None:
             self._fp8.restore()
         for module, wrapper in self._held.values():
-            wrapper.holders.pop(id(self), None)
+            wrapper.release(id(self))
             if not wrapper.holders and module.__dict__.get("forward") is wrapper:
                 if wrapper.previous is None:
                     del module.__dict__["forward"]
                 else:
                     module.forward = wrapper.previous
         self._held.clear()
-        if self._hold is not None:
-            release_eager_backward(self._hold)
-            self._hold = None
         self._removed = True
 
     @property
@@ -186,6 +182,7 @@ def precision_policy(
     fp8_recipe: str = "tensorwise",
     emulate: bool = False,
     fp8_all_gather: bool = False,
+    fp8_convert: Mapping[type, Callable[..., Any]] | None = None,
     backend: Any = None,
     device_types: str | Sequence[str] = (),
     example_inputs: Any = None,
@@ -206,8 +203,12 @@ def precision_policy(
     ``fp8_recipe`` (:data:`amp_backends.precision.fp8.engine.RECIPES`) on the backend's device, which must have fp8
     matmuls (``emulate=True``: fp8's numerics with high-precision matmuls, for tests). A layer that
     cannot run in fp8, or that ``fp32`` selects, is left with the reason (``fp8_skipped``).
-    ``fp8_all_gather=True`` (tensorwise only; convert before ``fully_shard``, build the optimizer
-    after): FSDP2 all-gathers those layers' weights in fp8, half the bytes of bf16.
+    ``fp8_all_gather=True`` (tensorwise only; convert before ``fully_shard``): FSDP2 all-gathers those
+    layers' weights in fp8, half the bytes of bf16. A Linear subclass with a forward, parameters, buffers
+    or submodules of its own is left (``fp8_skipped`` says why) unless ``fp8_convert`` maps its class to
+    ``fn(layer, fp8_linear)``, which returns the module replacing it, holding the same parameters and
+    buffers under the same names (``fp8_linear(linear, cls=None)`` builds the policy's fp8 layer for a
+    Linear's weight and bias; docs/fp8.md).
 
     Anything that cannot work is refused before anything changes: a selector matching nothing, a
     predicate that raises, fp8 on a device without it or without torchao."""
@@ -216,6 +217,7 @@ def precision_policy(
     selectors = check_selectors(fp32)
     types = _device_types(device_types)
     fp8_selectors, fp8_backend = _fp8_args(fp8, fp8_recipe, emulate, backend, fp8_all_gather)
+    converters = _fp8_converters(fp8, fp8_convert)
     extra = _backend_ops(backend) if backend is not None else []
     head, how = (None, "")
     if RECIPE in selectors or RECIPE in (fp8_selectors or ()):
@@ -228,16 +230,15 @@ def precision_policy(
     if fp8_selectors is not None and fp8_backend is not None:
         policy._fp8 = convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
                               backend=fp8_backend, float32={id(m) for m, _ in chosen.values()},
-                              head=head, example_inputs=example_inputs, all_gather=bool(fp8_all_gather))
+                              head=head, example_inputs=example_inputs, all_gather=bool(fp8_all_gather),
+                              converters=converters)
     for name, (module, reason) in chosen.items():
         wrapper = module.__dict__.get("forward")
         if not isinstance(wrapper, Fp32Forward):  # else another policy's: held by this one too
             wrapper = module.forward = Fp32Forward(module, module.__dict__.get("forward"))
-        wrapper.holders[id(policy)] = types
+        wrapper.hold(id(policy), types)
         policy._held[name] = (module, wrapper)
         policy._reasons[name] = reason
-    if chosen:
-        policy._hold = hold_eager_backward(model)
     return policy
 
 
@@ -264,6 +265,15 @@ def _fp8_args(fp8: Any, recipe: Any, emulate: Any, backend: Any,
     engine.check_device(be, recipe, emulate)
     engine.engine()
     return selectors, be
+
+
+def _fp8_converters(fp8: Any, fp8_convert: Any) -> dict[type, Callable[..., Any]]:
+    from .fp8.eligible import check_converters
+
+    if fp8 is None and fp8_convert is not None:
+        raise ValueError("precision_policy: fp8_convert applies to the layers fp8= selects; pass fp8=[...] (e.g. "
+                         "fp8=[torch.nn.Linear])")
+    return check_converters(fp8_convert)
 
 
 def _refuse_fp8_layers(chosen: dict[str, tuple[nn.Module, str]]) -> None:

@@ -3,14 +3,17 @@ their conversion (all of them, or none on failure) and its undoing."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from . import engine as fp8
 from ..selectors import RECIPE, Selector, select, strip
+from . import engine as fp8
+from .carry import carry_hooks, swap_in, swap_out, swap_reason
+from .eligible import state_names
 
 if TYPE_CHECKING:
     from ...backend import Backend
@@ -33,6 +36,8 @@ class Fp8Conversion:
     all_gather: bool = False
     _layers: dict[str, tuple[nn.Module, nn.Module]] = field(default_factory=dict, repr=False)
     _reasons: dict[str, str] = field(default_factory=dict, repr=False)
+    #: id -> the parameter objects :meth:`swap_weight` made torchao's fp8 all-gather wrapper
+    _swapped: dict[int, Any] = field(default_factory=dict, repr=False)
     #: layers a selector picked that stay in the autocast dtype (or float32), with why
     skipped: dict[str, str] = field(default_factory=dict)
 
@@ -44,51 +49,167 @@ class Fp8Conversion:
 
     def restore(self) -> None:
         """Put each original Linear back where its fp8 layer is, holding the parameters the fp8 layer
-        holds now (the trained ones, or those a wrapper such as FSDP2 put in place)."""
+        holds now (the trained ones, or those a wrapper such as FSDP2 put in place); with fp8 all-gather
+        the very parameter objects the layer and any optimizer hold, plain again."""
         for original, layer in self._layers.values():
             if not fp8.places(self.model, layer):
                 continue  # replaced since: not the policy's to undo
-            for attr in ("weight", "bias"):
-                value = getattr(layer, attr)
-                inner = fp8.plain_weight(value)
-                if inner is not value:  # fp8 all-gather's wrapper: its inner tensor is the trained weight
-                    if inner is getattr(original, attr):
-                        continue
-                    value = inner if isinstance(inner, nn.Parameter) else nn.Parameter(inner, value.requires_grad)
-                setattr(original, attr, value)
-            fp8.share_hooks(layer, original)
+            for name, _ in list(original.named_parameters(remove_duplicate=False)):
+                owner, leaf = _owner(layer, name)
+                value = owner._parameters.get(leaf) if owner is not None else None
+                if value is None:
+                    continue
+                value = self._give_back(name, value)
+                target, leaf = _owner(original, name)
+                if target._parameters.get(leaf) is not value:
+                    setattr(target, leaf, value)
+            carry_hooks(layer, original)
             fp8.swap(self.model, layer, original)
         self._layers.clear()
 
+    def _give_back(self, name: str, value: Any) -> Any:
+        """The plain parameter for ``value``, one of the fp8 layer's."""
+        if id(value) in self._swapped:
+            del self._swapped[id(value)]
+            plain = swap_out(value)
+            if plain is not value:
+                warnings.warn(
+                    f"policy.remove(): the fp8 all-gather weight {name!r} could not become a plain parameter again "
+                    "as the same object (something holds a weak reference to it, or a view); the layer holds a new "
+                    "Parameter with the trained values, which an optimizer built before remove() does not hold: "
+                    "build the optimizer again", RuntimeWarning, stacklevel=4)
+            return plain
+        inner = fp8.plain_weight(value)
+        if inner is not value:  # another fp8 all-gather wrapper: its inner tensor is the trained weight
+            return inner if isinstance(inner, nn.Parameter) else nn.Parameter(inner, value.requires_grad)
+        return value
+
+    def unswap_all(self) -> None:
+        """Every parameter :meth:`swap_weight` made a wrapper, plain again (a conversion that failed)."""
+        for param in list(self._swapped.values()):
+            swap_out(param)
+        self._swapped.clear()
+
+    def swap_weight(self, linear: nn.Module, layer: nn.Module) -> None:
+        """``layer`` (torchao's, built with fp8 all-gather) wrapped ``linear``'s weight in a new parameter:
+        make ``linear``'s parameter object itself the wrapper, and ``layer`` hold it."""
+        wrapper, weight = layer.weight, linear.weight
+        if weight is wrapper or getattr(wrapper, "_tensor", None) is not weight:
+            return
+        if id(weight) not in self._swapped:  # else a weight shared with a layer converted already
+            why = swap_reason(weight)
+            if why is not None:
+                raise ValueError(f"precision_policy(fp8_all_gather=True): a {type(linear).__name__}: {why}: the fp8 "
+                                 "all-gather weight cannot take its place; apply the policy before wrapping the model "
+                                 "or keeping references to its weights, or use fp8_all_gather=False (nothing changed)")
+            self._swapped[id(weight)] = swap_in(weight, wrapper)
+        layer.weight = weight
+
+
+class Fp8Layer:
+    """``fp8_linear(linear, cls=None)``, what a policy's ``fp8_convert`` functions get: the fp8 layer the
+    policy installs for ``linear``'s weight and bias (the backend's own, or torchao's ``Fp8Linear``), of
+    class ``cls`` where given (a subclass of :class:`amp_backends.precision.fp8.linear.Fp8Linear`, with
+    a forward of its own)."""
+
+    def __init__(self, conversion: Fp8Conversion, backend: Backend, config: Any) -> None:
+        self._conversion, self._backend, self._config = conversion, backend, config
+
+    def __call__(self, linear: nn.Module, cls: type | None = None) -> nn.Module:
+        from ...backend import Backend as _Backend
+        from .linear import Fp8Linear
+
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"fp8_linear(linear) takes an nn.Linear, got {type(linear).__name__}")
+        if cls is None:
+            layer = self._backend.fp8_linear(linear, self._config)
+            if layer is not None:
+                _check_layer(self._backend, linear, layer)
+                return layer
+            cls = Fp8Linear
+        elif not (isinstance(cls, type) and issubclass(cls, fp8.engine().float8_linear.Float8Linear)):
+            raise TypeError(f"fp8_linear(linear, cls=...) takes a subclass of amp_backends.precision.fp8.linear.Fp8Linear, "
+                            f"got {cls!r}")
+        elif type(self._backend).fp8_linear is not _Backend.fp8_linear:
+            raise TypeError(f"fp8_linear(linear, cls=...): backend {self._backend.name!r} installs its own fp8 layer, not "
+                            "torchao's: call fp8_linear(linear) without cls")
+        layer = cls.from_float(linear, config=self._config)
+        if self._conversion.all_gather:
+            self._conversion.swap_weight(linear, layer)
+        return layer
+
 
 def convert(model: nn.Module, selectors: Sequence[Selector], *, recipe: str, emulate: bool, backend: Backend,
-            float32: set[int], head: str | None, example_inputs: Any, all_gather: bool = False) -> Fp8Conversion:
+            float32: set[int], head: str | None, example_inputs: Any, all_gather: bool = False,
+            converters: Mapping[type, Callable[..., Any]] | None = None) -> Fp8Conversion:
     """Convert the Linear layers ``selectors`` pick (``RECIPE``: every Linear but the first and last
     run, the head and those below torchao's break-even), leaving those in ``float32`` (ids of modules a
-    policy runs in float32) and those that cannot run in fp8, with why. All or nothing."""
-    plan, skipped = _plan(model, selectors, recipe, float32, head, example_inputs)
+    policy runs in float32) and those that cannot run in fp8, with why. ``converters``
+    (``fp8_convert``): Linear class -> ``fn(layer, fp8_linear)`` returning its fp8 replacement. All or
+    nothing."""
+    converters = dict(converters or {})
+    plan, skipped = _plan(model, selectors, recipe, float32, head, example_inputs, converters)
     conversion = Fp8Conversion(model, recipe, emulate, all_gather, skipped=skipped)
     if not plan:
         return conversion
-    config = fp8.config(recipe, emulate, all_gather)
+    if all_gather:
+        for name, (module, _) in plan.items():
+            why = swap_reason(module.weight)
+            if why is not None:
+                raise ValueError(f"precision_policy(fp8_all_gather=True): {strip(name)!r}: {why}: the fp8 all-gather "
+                                 "weight cannot take its place; apply the policy before wrapping the model or keeping "
+                                 "references to its weights, or use fp8_all_gather=False (nothing changed)")
+    make = Fp8Layer(conversion, backend, fp8.config(recipe, emulate, all_gather))
     try:
         for name, (module, reason) in plan.items():
-            layer = backend.fp8_linear(module, config)
-            if layer is None:  # torchao's layer, on any device's autocast
-                from .linear import Fp8Linear
-
-                layer = Fp8Linear.from_float(module, config=config)
-            else:
-                _check_layer(backend, module, layer)
+            convert_one = converters.get(type(module))
+            layer = make(module) if convert_one is None else convert_one(module, make)
+            if convert_one is not None:
+                if layer is None or layer is module:
+                    conversion.skipped[name] = (f"fp8_convert's function for {type(module).__name__} left it as it is "
+                                                f"(returned {'None' if layer is None else 'the layer itself'})")
+                    continue
+                _check_converted(module, layer)
             layer.fp8_recipe = recipe
-            fp8.share_hooks(module, layer)
+            carry_hooks(module, layer)
             fp8.swap(model, module, layer)
             conversion._layers[name] = (module, layer)
-            conversion._reasons[name] = reason
+            conversion._reasons[name] = reason if convert_one is None else f"{reason} (converted by fp8_convert)"
     except BaseException:
         conversion.restore()
+        conversion.unswap_all()
         raise
     return conversion
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module | None, str]:
+    """The submodule of ``module`` holding the parameter ``name`` ("lora.0.weight"), and its own name there."""
+    *path, leaf = name.split(".")
+    for part in path:
+        module = module._modules.get(part)
+        if module is None:
+            return None, leaf
+    return module, leaf
+
+
+def _check_converted(module: nn.Module, layer: Any) -> None:
+    """What an ``fp8_convert`` function returned holds ``module``'s own parameters and buffers under the
+    same names (so ``state_dict`` keys stay and an optimizer keeps training them)."""
+    label = f"precision_policy(fp8_convert=...): the function for {type(module).__name__}"
+    if not isinstance(layer, nn.Module):
+        raise TypeError(f"{label} returned a {type(layer).__name__}, not an nn.Module (nothing changed)")
+    before, after = state_names(module), state_names(layer)
+    if sorted(before) != sorted(after):
+        missing, new = sorted(set(before) - set(after)), sorted(set(after) - set(before))
+        raise TypeError(f"{label} returned a {type(layer).__name__} whose state_dict keys differ (missing: "
+                        f"{', '.join(missing) or 'none'}; new: {', '.join(new) or 'none'}): it must hold the layer's "
+                        "parameters and buffers under the same names (nothing changed)")
+    for name, value in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        owner, leaf = _owner(layer, name)
+        held = None if owner is None else owner._parameters.get(leaf, owner._buffers.get(leaf))
+        if held is not value:
+            raise TypeError(f"{label} returned a {type(layer).__name__} holding another tensor as {name!r}: it must hold "
+                            "the layer's own parameters and buffers, which an optimizer trains (nothing changed)")
 
 
 def _check_layer(backend: Backend, module: nn.Module, layer: Any) -> None:
@@ -99,7 +220,7 @@ def _check_layer(backend: Backend, module: nn.Module, layer: Any) -> None:
 
 
 def _plan(model: nn.Module, selectors: Sequence[Selector], recipe: str, float32: set[int], head: str | None,
-          example_inputs: Any) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, str]]:
+          example_inputs: Any, converters: Mapping[type, Any]) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, str]]:
     explicit = [s for s in selectors if s != RECIPE]
     chosen, skipped = select(model, explicit, head=None, argument="fp8") if explicit else ({}, {})
     if RECIPE in selectors:
@@ -113,14 +234,14 @@ def _plan(model: nn.Module, selectors: Sequence[Selector], recipe: str, float32:
             module = model.get_submodule(name)
             why_not = (_FLOAT32 if id(module) in float32 else ends.get(name)
                        or (_HEAD if head is not None and strip(name) == head else None)
-                       or fp8.eligibility(module) or fp8.too_small(module, recipe))
+                       or fp8.eligibility(module, converters) or fp8.too_small(module, recipe))
             if why_not is not None:
                 skipped[name] = why_not
             else:
                 chosen[name] = (module, "recipe: a Linear layer")
     plan = {}
     for name, (module, reason) in chosen.items():
-        why_not = _FLOAT32 if id(module) in float32 else fp8.eligibility(module)
+        why_not = _FLOAT32 if id(module) in float32 else fp8.eligibility(module, converters)
         if why_not is None:
             plan[name] = (module, reason)
         else:

@@ -3,9 +3,9 @@
 A precision policy's ``fp8=`` selects the layers; this module says which of them can run in fp8 and
 why not, converts them (``torchao.float8``'s ``Float8Linear``, through :meth:`Backend.fp8_linear`,
 which a vendor plugin may fill with its own fp8 layer) and restores them. The parameters stay the
-same objects, so an optimizer built before or after keeps training them (with ``fp8_all_gather``
-each weight is wrapped for FSDP2: build the optimizer after), and ``state_dict`` keys never change:
-a checkpoint moves between fp8 and bf16 runs.
+same objects (with ``fp8_all_gather`` each weight object itself becomes torchao's all-gather wrapper,
+and a plain parameter again at ``remove()``), so an optimizer built before or after keeps training
+them, and ``state_dict`` keys never change: a checkpoint moves between fp8 and bf16 runs.
 
 Precedence, per module: float32 (a policy's ``fp32=``) beats fp8, which beats the autocast dtype.
 """
@@ -184,9 +184,11 @@ def plain_weight(tensor: Any) -> Any:
     return inner if isinstance(tensor, WeightWithDynamicFloat8CastTensor) else tensor
 
 
-def eligibility(module: nn.Module) -> str | None:
-    """Why ``module`` cannot run in fp8 (None: it can)."""
+def eligibility(module: nn.Module, converters: Any = None) -> str | None:
+    """Why ``module`` cannot run in fp8 (None: it can). ``converters``: the policy's ``fp8_convert``
+    (Linear classes it says how to convert: they may do more than a Linear)."""
     from ..fp32_forward import Fp32Forward
+    from .eligible import structure
 
     if not isinstance(module, nn.Linear):
         return f"not an nn.Linear ({type(module).__name__}): fp8 training converts Linear layers"
@@ -197,6 +199,9 @@ def eligibility(module: nn.Module) -> str | None:
         return "float32 by a precision policy (float32 beats fp8)"
     if wrapper is not None:
         return "its forward is replaced on the instance (a hook or wrapper), which converting it would drop"
+    why = structure(module, converters)
+    if why is not None:
+        return why
     n, k = module.weight.shape
     if n % FP8_ALIGN or k % FP8_ALIGN:
         return f"in_features={k}, out_features={n}: fp8 matmuls need both to be multiples of {FP8_ALIGN}"
@@ -239,20 +244,6 @@ def linear_order(model: nn.Module, example_inputs: Any, names: Sequence[str]) ->
         for h in handles:
             h.remove()
     return ran + [n for n in names if n not in ran]
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-
-
-def share_hooks(source: nn.Module, target: nn.Module) -> None:
-    """``target`` gets ``source``'s hook dictionaries themselves: a hook registered on either, before
-    or after, runs on whichever module is in the model."""
-    for attr in _HOOK_DICTS:
-        if attr in source.__dict__:
-            setattr(target, attr, source.__dict__[attr])
-    target.train(source.training)
 
 
 def places(model: nn.Module, module: nn.Module) -> list[tuple[nn.Module, str]]:
