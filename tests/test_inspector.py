@@ -46,7 +46,9 @@ def test_the_loss_scale_range_is_measured_and_right():
     assert report.safe_scales == (2.0**6, 2.0**23)
     assert report.scales[2.0**24] == (72, 0), "loud's 64 + 8 gradient values overflow at 2**24"
     assert report.scales[2.0**5][1] == 72 and report.scales[2.0**6][1] == 0, "quiet's 72 values lost below 2**6"
-    assert 5 <= report.backwards_run <= 14, "found by bisection, not by trying every scale"
+    assert sorted(report.scales) == [2.0**k for k in range(-24, 31)], "every power of two from 2**-24 to 2**30"
+    assert report.backwards_run == 55, "one backward per scale; the one at 2**16 is the check's own"
+    assert report.best_scales == [2.0**k for k in range(6, 24)]
     assert "best loss scales 2**6..2**23" in report.summary and "scaled backward passes" in report.summary
     low = check_model(TwoHeads(), torch.ones(4, 8), "cpu", FP16, loss_fn=_scalar, loss_scale=2.0**5)
     rows = {r.name: r for r in low.rows}

@@ -1,7 +1,7 @@
 """What mixed precision will do to a model before it trains: ``check_model`` and ``detect_nonfinite``.
 
-Owns the inspector (:mod:`.check`), its report (:mod:`.report`) and the inf/NaN watch for a
-training step (:mod:`.nonfinite`).
+Owns the inspector (:mod:`.check`), the loss scales it measures (:mod:`.scales`), its report
+(:mod:`.report`) and the inf/NaN watch for a training step (:mod:`.nonfinite`).
 
 May import: :mod:`amp_backends.precision`, :mod:`amp_backends.tracing`, :mod:`amp_backends.registry`,
 :mod:`amp_backends.devices`, :mod:`amp_backends.errors`.

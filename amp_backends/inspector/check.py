@@ -11,12 +11,13 @@ the same forward and backward in float32 as the reference:
   matrix units (dimensions, per convolution group, multiples of 8);
 - the modules left in float32, and why (a precision policy; autocast's float32 op lists; a float32
   input);
-- float16's range, measured: the scaled backward run at powers of two (from ``loss_scale`` down
-  until no inf/NaN, and up until one appears), each gradient element judged against the float32
-  reference (an element lost is zero in float16's gradient and not in float32's); every parameter
-  counted once; a model whose own forward overflows, or whose backward overflows at scale 1, is said
-  to be beyond loss scaling, with the op that overflowed;
-- the first op that produced inf/NaN, forward and backward: module, op, dtype, shape, count;
+- float16's range, measured: the scaled backward run at every power of two from 2**-24 to 2**30
+  (:mod:`.scales`), each gradient element judged against the float32 reference (an element lost is
+  zero in float16's gradient and not in float32's; for fp8 layers, not in a reference that keeps them
+  in fp8); every parameter counted once; a model whose loss is inf/NaN, or whose gradients hold
+  inf/NaN at every one of those scales, is said to be beyond loss scaling;
+- the first op that produced inf/NaN, forward and backward (:mod:`amp_backends.tracing.produced`: an
+  overflow or a NaN made by arithmetic, not an inf written on purpose): module, op, dtype, shape, count;
 - per module, the relative error of its outputs and of its gradients against float32.
 """
 
@@ -38,12 +39,11 @@ from ..backend import Backend
 from ..errors import AmpBackendsError
 from ..tracing.isolation import call_args, untouched
 from ..tracing.opcount import NonFinite, Op, OpRecorder
+from . import scales as measured
 from .report import FP16_MAX, ModelReport, ModuleRow
 
 __all__ = ["CheckError", "CheckTypeError", "ModelReport", "ModuleRow", "check_model"]
 _LOW = (torch.float16, torch.bfloat16)
-#: The loss scales tried: powers of two from 2**0 to 2**30 (torch's scaler starts at 2**16).
-_SCALE_RANGE = (0, 30)
 
 
 class CheckError(AmpBackendsError, ValueError):
@@ -146,30 +146,6 @@ def _over(t: torch.Tensor | None) -> int:
     return int((t.detach().abs().float() > FP16_MAX).sum())
 
 
-def _dense(g: torch.Tensor | None) -> torch.Tensor | None:
-    if g is None:
-        return None
-    if g.is_sparse:
-        g = g.coalesce().to_dense()
-    return g.detach().float()
-
-
-def _grads(loss: torch.Tensor, params: list[torch.Tensor], scale: float, retain: bool) -> list[torch.Tensor | None]:
-    """Gradients of ``loss * scale`` divided by ``scale`` (float32), without touching ``.grad``."""
-    grads = torch.autograd.grad(loss * scale, params, retain_graph=retain, allow_unused=True)
-    with torch._C._DisableTorchDispatch():  # the check's own arithmetic is not the model's
-        return [None if g is None else _dense(g) / scale for g in grads]
-
-
-def _lost(low: list[torch.Tensor | None], ref: list[torch.Tensor | None]) -> list[int]:
-    """Per parameter: gradient elements zero in the low-precision run and not in float32's."""
-    return [0 if a is None or b is None else int(((a == 0) & (b != 0)).sum()) for a, b in zip(low, ref)]
-
-
-def _nonfinite(grads: list[torch.Tensor | None]) -> list[int]:
-    return [0 if g is None else int((~torch.isfinite(g)).sum()) for g in grads]
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
     if a.shape != b.shape:
         return None
@@ -213,24 +189,37 @@ def check_model(
     _check_devices(model, args, kwargs, be)
     _check_inputs_finite(args, kwargs)
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
+    fp16 = low == torch.float16
     with untouched(model, be.device_type) as rng:
-        ref_outputs, ref_grads = None, None
-        if compare or low == torch.float16:  # the float32 reference (fp8 layers as plain Linear layers)
+        ref_outputs, ref_grads, fp8_grads = None, None, None
+        if compare or fp16:  # the float32 reference (fp8 layers as plain Linear layers)
             with fp8.as_linear(model):
-                seen = _Outputs(model, keep=compare)
-                try:
-                    with torch.autocast(be.device_type, enabled=False):
-                        output = model(*args, **kwargs)
-                    loss = _loss_of(output, loss_fn, params)
-                    if loss is not None:
-                        ref_grads = _grads(loss, params, 1.0, retain=False)
-                finally:
-                    seen.remove()
-            ref_outputs = seen.outputs
-            del output, loss
+                ref_outputs, ref_grads = _reference(model, args, kwargs, be, loss_fn, params, compare)
             rng.restore()
-        run = _low_run(model, args, kwargs, be, low, loss_fn, params, scale, ref_grads, compare)
-    return _report(model, be, low, scale, run, ref_outputs, ref_grads, params, set(fp32_modules(model)))
+            if fp16 and ref_grads is not None and any(fp8.is_fp8(m) for m in model.modules()):
+                # what the fp8 layers lose by themselves: everything else in float32, they in fp8
+                _, fp8_grads = _reference(model, args, kwargs, be, loss_fn, params, False)
+                rng.restore()
+        run = _low_run(model, args, kwargs, be, low, loss_fn, params, scale,
+                       fp8_grads if fp8_grads is not None else ref_grads, compare)
+    return _report(model, be, low, scale, run, ref_outputs, ref_grads, fp8_grads, params, set(fp32_modules(model)))
+
+
+def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend, loss_fn: Any,
+               params: list[torch.Tensor], keep: bool
+               ) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor | None] | None]:
+    """Each module's outputs and the parameters' gradients with autocast off."""
+    seen = _Outputs(model, keep=keep)
+    ref_grads = None
+    try:
+        with torch.autocast(be.device_type, enabled=False):
+            output = model(*args, **kwargs)
+        loss = _loss_of(output, loss_fn, params)
+        if loss is not None:
+            ref_grads = measured.grads(loss, params, 1.0, retain=False)
+    finally:
+        seen.remove()
+    return seen.outputs, ref_grads
 
 
 @dataclass
@@ -243,13 +232,16 @@ class _Run:
     scales: dict[float, tuple[int, int]]
     backwards: int
     forward_only: bool
+    #: whether the low-precision loss is finite (None: no loss)
+    loss_finite: bool | None = None
 
 
 def _low_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend, low: torch.dtype,
              loss_fn: Any, params: list[torch.Tensor], scale: float, ref_grads: list[torch.Tensor | None] | None,
              compare: bool) -> _Run:
     """The forward under autocast and the backward at ``scale``, every op recorded; then, for float16,
-    more backwards on the same graph at other scales."""
+    more backwards on the same graph at every scale of :data:`.scales.SCALE_RANGE`, each judged against
+    ``ref_grads``."""
     from ..tracing.attribution import Attribution
 
     attribution = Attribution(model)
@@ -262,7 +254,8 @@ def _low_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be
                 output = model(*args, **kwargs)
                 loss = _loss_of(output, loss_fn, params)
             if loss is not None:
-                grads = _grads(loss, params, scale if low == torch.float16 else 1.0, retain=low == torch.float16)
+                grads = measured.grads(loss, params, scale if low == torch.float16 else 1.0,
+                                       retain=low == torch.float16)
     finally:
         seen.remove()
         attribution.remove()
@@ -270,63 +263,28 @@ def _low_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be
     scales: dict[float, tuple[int, int]] = {}
     backwards = 1 if grads is not None else 0
     if low == torch.float16 and grads is not None and ref_grads is not None:
-        backwards += _measure_scales(loss, params, ref_grads, scale, grads, scales)
+        scales, more = measured.measure(loss, params, ref_grads, scale, grads)
+        backwards += more
+    finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
     del loss
-    return _Run(recorder.ops, seen, grads, forward_bad, backward_bad, scales, backwards, grads is None)
-
-
-def _measure_scales(loss: torch.Tensor, params: list[torch.Tensor], ref: list[torch.Tensor | None], scale: float,
-                    first: list[torch.Tensor | None], scales: dict[float, tuple[int, int]]) -> int:
-    """Scaled backwards on the same graph, at powers of two: the highest with no inf/NaN (searched by
-    bisection, overflow growing with the scale), then the lowest that loses no more gradient values
-    than it (bisection again, losses shrinking with the scale). Returns the backwards run besides the
-    first (at ``scale``)."""
-    lo_k, hi_k = _SCALE_RANGE
-    run = 0
-
-    def measure(k: int) -> tuple[int, int]:
-        nonlocal run
-        s = 2.0**k
-        if s not in scales:
-            grads = first if s == scale else _grads(loss, params, s, retain=True)
-            run += s != scale
-            scales[s] = (sum(_nonfinite(grads)), sum(_lost(grads, ref)))
-        return scales[s]
-
-    k0 = min(max(math.floor(math.log2(scale)), lo_k), hi_k)
-    if measure(k0)[0]:  # overflow at the scale checked: the highest clean one lies below
-        if measure(lo_k)[0]:
-            return run  # overflows even at 2**0: beyond loss scaling
-        clean, bad = lo_k, k0
-    elif not measure(hi_k)[0]:
-        clean, bad = hi_k, hi_k + 1
-    else:
-        clean, bad = k0, hi_k
-    while bad - clean > 1:
-        mid = (clean + bad) // 2
-        clean, bad = (mid, bad) if not measure(mid)[0] else (clean, mid)
-    fewest = measure(clean)[1]
-    low, high = lo_k - 1, clean  # the lowest k in (low, high] losing no more than `fewest`
-    if measure(lo_k)[1] <= fewest:
-        return run
-    low = lo_k
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (low, mid) if measure(mid)[1] <= fewest else (mid, high)
-    return run
+    return _Run(recorder.ops, seen, grads, forward_bad, backward_bad, scales, backwards, grads is None, finite)
 
 
 def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: _Run,
             ref_outputs: dict[str, list[torch.Tensor]] | None, ref_grads: list[torch.Tensor | None] | None,
-            params: list[torch.Tensor], policed: set[str]) -> ModelReport:
+            fp8_grads: list[torch.Tensor | None] | None, params: list[torch.Tensor], policed: set[str]) -> ModelReport:
     by_module: dict[str, list[Op]] = defaultdict(list)
     for op in run.ops:
         by_module[op.module].append(op)
     index = {id(p): i for i, p in enumerate(params)}
     grads = run.grads
     fp16 = low == torch.float16
-    lost = _lost(grads, ref_grads) if grads is not None and ref_grads is not None else [0] * len(params)
-    nonfinite = _nonfinite(grads) if grads is not None else [0] * len(params)
+    # lost to float16: against the reference that keeps fp8 layers in fp8, where there is one
+    judge = fp8_grads if fp8_grads is not None else ref_grads
+    lost = measured.lost(grads, judge) if grads is not None and judge is not None else [0] * len(params)
+    lost_fp8 = measured.lost(fp8_grads, ref_grads) if fp8_grads is not None and ref_grads is not None \
+        else [0] * len(params)
+    nonfinite = measured.nonfinite(grads) if grads is not None else [0] * len(params)
     rows: list[ModuleRow] = []
     for name, module in model.named_modules():
         row = ModuleRow(name, type(module).__name__, output_dtype=_first_dtype(run.outputs.outputs.get(name)))
@@ -360,6 +318,7 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
             finite = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in mine if g is not None]
             row.grads_nonfinite = sum(nonfinite[index[id(p)]] for p in own)
             row.grads_underflow = sum(lost[index[id(p)]] for p in own) if fp16 else 0
+            row.grads_lost_fp8 = sum(lost_fp8[index[id(p)]] for p in own)
             row.grads_over = sum(_over(g) for g in finite)
             if finite:
                 row.grad_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in finite))
@@ -378,14 +337,12 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
     forward_ops = [o for o in run.ops if not o.backward]
     fp8_modules = {r.name for r in rows if r.fp8 and r.fp8.startswith("fp8 (")}
     unique_finite = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in (grads or []) if g is not None]
-    beyond = fp16 and not run.forward_only and (run.forward_bad is not None or run.scales.get(1.0, (0, 0))[0] > 0)
-    safe = None
-    if fp16 and run.scales and not beyond:
-        clean = {s: v for s, v in run.scales.items() if not v[0]}
-        if clean:
-            fewest = min(v[1] for v in clean.values())
-            best = [s for s, v in clean.items() if v[1] == fewest]
-            safe = (min(best), max(best))
+    best, safe = measured.choose(run.scales) if fp16 and run.scales else ([], None)
+    # measured: a loss that is inf/NaN (the forward overflowed, and scaling comes after it), or inf/NaN
+    # gradients at every scale tried; an overflow in the forward that the loss never sees does not decide it
+    beyond = fp16 and not run.forward_only and (run.loss_finite is False or bool(run.scales) and safe is None)
+    if beyond:
+        best, safe = [], None
     notes = []
     if run.forward_only:
         notes.append("no parameter requires grad, or the output does not depend on one: forward only "
@@ -399,12 +356,14 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
         total_flops=sum(o.flops for o in forward_ops),
         low_flops=sum(o.flops for o in forward_ops if o.dtype in _LOW and o.module not in fp8_modules),
         fp8_flops=sum(o.flops for o in forward_ops if o.module in fp8_modules),
-        misaligned_flops=sum(o.flops for o in forward_ops if o.misaligned), safe_scales=safe,
+        misaligned_flops=sum(o.flops for o in forward_ops if o.misaligned), safe_scales=safe, best_scales=best,
         grad_norm=math.sqrt(sum(float(g.double().pow(2).sum()) for g in unique_finite)) if grads else math.nan,
         params_over=sum(_over(p) for p in model.parameters()), grads_over=sum(_over(g) for g in unique_finite),
-        grads_underflow=sum(lost) if fp16 else 0, outputs_over=sum(r.outputs_over for r in rows),
+        grads_underflow=sum(lost) if fp16 else 0, grads_lost_fp8=sum(lost_fp8),
+        outputs_over=sum(r.outputs_over for r in rows),
         grads_nonfinite=sum(nonfinite), backward_flops=sum(o.flops for o in run.ops if o.backward),
         scales=dict(sorted(run.scales.items())), backwards_run=run.backwards, beyond_scaling=beyond,
+        loss_finite=run.loss_finite,
         first_nonfinite_forward=run.forward_bad, first_nonfinite_backward=run.backward_bad, head=head, notes=notes,
     )
 

@@ -51,6 +51,9 @@ class ModuleRow:
     grads_underflow: int = 0
     #: gradient elements that came out inf/NaN at the loss scale checked
     grads_nonfinite: int = 0
+    #: gradient elements of its own parameters lost to the model's fp8 layers' own rounding (zero in a
+    #: float32 run that keeps the fp8 layers in fp8, not in plain float32): not in grads_underflow
+    grads_lost_fp8: int = 0
     grad_norm: float | None = None
     #: relative error against the float32 run: ||low - fp32|| / ||fp32|| of its outputs and gradients
     output_error: float | None = None
@@ -76,7 +79,7 @@ class ModelReport:
     total_flops: int
     low_flops: int
     misaligned_flops: int
-    #: the loss scales (powers of two) that lose the fewest gradient values without inf/NaN, measured;
+    #: the longest run of consecutive powers of two among ``best_scales`` (the higher of two as long);
     #: None where no scale works (or float16 is not the dtype)
     safe_scales: tuple[float, float] | None
     grad_norm: float
@@ -86,12 +89,22 @@ class ModelReport:
     outputs_over: int
     grads_nonfinite: int = 0
     backward_flops: int = 0
-    #: per scale tried: (gradient elements inf/NaN, gradient elements lost to underflow)
+    #: per scale tried (every power of two from 2**-24 to 2**30): (gradient elements inf/NaN, gradient
+    #: elements lost to float16)
     scales: dict[float, tuple[int, int]] = field(default_factory=dict)
+    #: every scale tried with no inf/NaN gradient that loses the fewest values, ascending (measured: they
+    #: need not be consecutive)
+    best_scales: list[float] = field(default_factory=list)
     #: scaled backward passes the measurement ran (its cost)
     backwards_run: int = 0
-    #: no loss scale can save this model in float16 (its forward, or its backward at scale 1, overflows)
+    #: no loss scale can save this model in float16: its loss is inf/NaN (the forward overflowed), or its
+    #: gradients hold inf/NaN at every scale tried
     beyond_scaling: bool = False
+    #: whether the loss of the low-precision forward is finite (None: forward only)
+    loss_finite: bool | None = None
+    #: gradient values lost to the fp8 layers' own rounding (zero in a float32 run that keeps the fp8
+    #: layers in fp8, not in plain float32): loss scaling does not recover them; not in ``grads_underflow``
+    grads_lost_fp8: int = 0
     #: forward matmul FLOPs of the layers trained in fp8 (not counted in ``low_flops``)
     fp8_flops: int = 0
     first_nonfinite_forward: NonFinite | None = None
@@ -134,9 +147,11 @@ class ModelReport:
             parts.append(f"at scale {self.loss_scale:g}, inf/NaN first in the {self.first_nonfinite_backward}")
         if self.dtype == "float16":
             if self.beyond_scaling:
-                parts.append("no loss scale can save this model in float16: it overflows "
-                             + ("in its forward" if self.first_nonfinite_forward else "even at scale 1")
-                             + " (keep that layer in float32 with a precision policy, or use bfloat16)")
+                why = ("its forward overflows: the loss is inf/NaN before any scaling" if self.loss_finite is False
+                       else f"its gradients hold inf/NaN at every scale from {pow2(min(self.scales))} to "
+                            f"{pow2(max(self.scales))}")
+                parts.append(f"no loss scale can save this model in float16: {why} (keep the layer that overflows "
+                             "in float32 with a precision policy, or use bfloat16)")
             else:
                 if self.grads_nonfinite:
                     parts.append(f"the backward overflows at scale {self.loss_scale:g} ({self.grads_nonfinite} "
@@ -145,8 +160,13 @@ class ModelReport:
                     parts.append(f"{self.grads_underflow} gradient values lost to float16 at scale {self.loss_scale:g}")
                 if self.safe_scales:
                     lo, hi = self.safe_scales
-                    parts.append(f"best loss scales {pow2(lo)}..{pow2(hi)} (measured: {self.backwards_run} scaled "
-                                 "backward passes)")
+                    others = [s for s in self.best_scales if not lo <= s <= hi]
+                    also = f", and as good: {', '.join(map(pow2, others))}" if others else ""
+                    parts.append(f"best loss scales {pow2(lo)}..{pow2(hi)}{also} (measured: {self.backwards_run} "
+                                 "scaled backward passes)")
+            if self.grads_lost_fp8:
+                parts.append(f"{self.grads_lost_fp8} gradient values lost to the fp8 layers' own rounding (not to "
+                             "float16: loss scaling does not recover them)")
             if self.grads_over or self.params_over or self.outputs_over:
                 parts.append(f"values over fp16's 65504: {self.params_over} in parameters, {self.outputs_over} in "
                              f"outputs, {self.grads_over} in gradients")

@@ -20,6 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .produced import ProducedWatch
+
 __all__ = ["ALIGN", "FORMULAS", "NonFinite", "Op", "OpRecorder"]
 
 #: fp16/bf16 Tensor Cores (and AMD matrix cores) take dimensions in multiples of this.
@@ -82,7 +84,8 @@ class Op:
 
 @dataclass
 class NonFinite:
-    """The first op whose output held inf/NaN (its inputs held none: it produced them)."""
+    """The first op that produced inf/NaN (:mod:`.produced`: an overflow or a NaN made by arithmetic, not an
+    inf written on purpose or carried on from its inputs)."""
 
     module: str
     op: str
@@ -101,30 +104,35 @@ class NonFinite:
 class OpRecorder(TorchDispatchMode):
     """A ``TorchDispatchMode`` (below autocast: it sees the dtypes ops really run in) that records
     the matmul-like ops with the innermost module running (``where()``: its name and whether this is
-    the backward), and notes, on the device with no host read, how many inf/NaN each op's outputs
-    hold, for :meth:`first_nonfinite`."""
+    the backward), and notes, on the device with no host read, how many inf/NaN each op produced
+    (in-place ops and ``out=`` arguments included: the tensor written is the output), for
+    :meth:`first_nonfinite`."""
 
     def __init__(self, where: Callable[[], tuple[str, bool]], watch_nonfinite: bool = True) -> None:
         super().__init__()
         self.where = where
         self.watch_nonfinite = watch_nonfinite
+        self._produced = ProducedWatch() if watch_nonfinite else None
         self.ops: list[Op] = []
         self._counts: list[tuple[torch.Tensor, str, str, bool, str, tuple[int, ...]]] = []
         self._torch = _torch_formulas()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        pending = self._produced.before(func, args, kwargs) if self._produced is not None else None
         out = func(*args, **kwargs)
         packet = func.overloadpacket
         torch_formula = self._torch.get(packet)
         formula = torch_formula or FORMULAS.get(packet.__name__)
-        if formula is None and not self.watch_nonfinite:
+        found = self._produced.after(pending, out) if pending is not None else None
+        if formula is None and found is None:
             return out
         module, backward = self.where()
         if formula is not None:
             self._record(func, formula, torch_formula is not None, args, kwargs, out, module, backward)
-        if self.watch_nonfinite:
-            self._watch(func, args, kwargs, out, module, backward)
+        if found is not None:
+            count, dtype, shape = found
+            self._counts.append((count, module, packet.__name__, backward, dtype, shape))
         return out
 
     def _record(self, func: Any, formula: Callable[..., int], torch_formula: bool, args: Any, kwargs: Any, out: Any,
@@ -142,23 +150,8 @@ class OpRecorder(TorchDispatchMode):
         misaligned = dtype in _LOW and any(d % ALIGN for d in dims)
         self.ops.append(Op(module, name, backward, dtype, flops, label, misaligned))
 
-    def _watch(self, func: Any, args: Any, kwargs: Any, out: Any, module: str, backward: bool) -> None:
-        """Count the inf/NaN an op's outputs hold, where its floating inputs held none (an op that
-        produced them: not a mask made with ``full(-inf)``, not one passing a masked tensor on)."""
-        outs = [t for t in tree_leaves(out) if _plain_float(t)]
-        ins = [t for t in tree_leaves((args, kwargs)) if _plain_float(t)]
-        if not outs or not ins:
-            return
-        with torch._C._DisableTorchDispatch():  # the count's own ops are not the model's
-            produced = sum(torch.count_nonzero(~torch.isfinite(_dense_values(t).detach())) for t in outs)
-            inherited = sum(torch.count_nonzero(~torch.isfinite(_dense_values(t).detach())) for t in ins)
-            count = torch.where(inherited == 0, produced, torch.zeros_like(produced))
-        first = outs[0]
-        self._counts.append((count, module, func.overloadpacket.__name__, backward,
-                             str(first.dtype).replace("torch.", ""), tuple(first.shape)))
-
     def first_nonfinite(self, backward: bool) -> NonFinite | None:
-        """The first op of the forward (or backward) whose outputs held inf/NaN: one host read."""
+        """The first op of the forward (or backward) that produced inf/NaN: one host read."""
         rows = [r for r in self._counts if r[3] == backward]
         if not rows:
             return None
@@ -170,20 +163,6 @@ class OpRecorder(TorchDispatchMode):
         i = int(hits[0])
         _, module, op, bw, dtype, shape = rows[i]
         return NonFinite(module, op, bw, dtype, shape, int(counts[i]))
-
-
-def _plain_float(t: Any) -> bool:
-    """A floating tensor holding its own values: not a wrapper subclass (torchao's fp8 tensors, DTensor),
-    whose values its own dispatch gives (the ops it runs on its inner tensors are seen instead)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
-            and not is_traceable_wrapper_subclass(t))
-
-
-def _dense_values(t: torch.Tensor) -> torch.Tensor:
-    t = t._values() if t.is_sparse else t
-    return t.float() if t.element_size() == 1 else t  # float8: isfinite has no kernel for it
 
 
 def _shape(func: Any, args: tuple[Any, ...]) -> tuple[str, tuple[int, ...]]:
