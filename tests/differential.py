@@ -7,17 +7,23 @@ some steps only) and a parameter frozen at the start; SGD (momentum, weight deca
 for-loop, foreach or fused; gradient accumulation; every way of clearing gradients (the optimizer's
 and the model's ``zero_grad`` with ``set_to_none`` both ways, ``p.grad = None`` by hand, no clearing);
 ``requires_grad_`` toggled; an inf injected into a gradient; clipping through the scaler or torch's
-recipe (``unscale_`` + ``torch.nn.utils.clip_grad_norm_``); growth and backoff of the scale.
+recipe (``unscale_`` + ``torch.nn.utils.clip_grad_norm_``); growth and backoff of the scale. And what
+a hostile loop does (issue 38): ``torch.autograd.grad`` over every parameter before the backward (it
+accumulates nothing into ``.grad``); a gradient's view kept for analysis while another gradient is
+pruned by hand in the same step; model surgery (a parameter replaced in the module and in its
+group's list); the optimizer made again over the same parameters; ``flat_grads`` called again.
 
 Observed after every clearing and step: each parameter, each ``.grad`` (None or its values), the
-optimizer's state, the norm a clip returned, the scale, and any exception. Equal means bitwise,
-except NaN payloads and the sign of zero.
+optimizer's state, the norm a clip returned, the scale, the kept view, whether an optimizer made
+again let the old one go, and any exception. Equal means bitwise, except NaN payloads and the sign
+of zero.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -30,6 +36,8 @@ import amp_backends
 KINDS = ("torch", "ours", "ours-arena-refcount", "ours-arena-identity")
 CLEARS = ("opt-none", "opt-zero", "model-none", "model-zero", "hand-none-all", "hand-none-some", "hand-zeros-some",
           "hand-clone-some", "keep")
+#: Parameters a model surgery replaces (a new Parameter, equal in value, in the module and the optimizer's list).
+SURGERIES = ("hidden.bias", "out.weight", "scale", "branch.bias")
 
 
 @dataclass
@@ -78,6 +86,15 @@ def make_program(seed: int) -> Program:
             "clip": r.choice([None, None, "scaler", "recipe"]),
             "max_norm": r.choice([0.1, 1.0, 100.0]),
             "hold": r.random() < 0.3,  # the user keeps references to the gradients across the clearing
+        })
+    h = random.Random(f"hostile {seed}")  # drawn apart, so that the draws above (older programs) stay as they were
+    for spec in program.steps:
+        spec.update({
+            "probe": h.random() < 0.15,  # torch.autograd.grad(...) over every parameter, the branch taken
+            "prune": h.random() < 0.15,  # one gradient's view kept (detach), another replaced by hand (mask)
+            "surgery": h.choice(SURGERIES) if h.random() < 0.12 else None,  # before the clearing
+            "recreate": h.random() < 0.1,  # a new optimizer over the same parameters, flat_grads on it
+            "rebuild": h.random() < 0.1,  # flat_grads(opt) again (what the warning after a surgery asks)
         })
     return program
 
@@ -157,6 +174,14 @@ def run(program: Program, kind: str, compile_backend: str | None = None) -> list
     for n, spec in enumerate(program.steps):
         if program.frozen_until == n:
             model.late.weight.requires_grad_(True)
+        if spec.get("surgery"):
+            _surgery(spec["surgery"], model, opt, named)
+        if spec.get("recreate"):
+            gone = weakref.ref(opt)
+            opt = _optimizer(program, model)  # the old one is dropped here: nothing else may hold it
+            trace.append({"where": f"step {n} optimizer made again", "old optimizer freed": gone() is None})
+        if kind.startswith("ours-arena") and (spec.get("recreate") or spec.get("rebuild")):
+            amp_backends.flat_grads(opt, check=kind.rsplit("-", 1)[1])
         held = [p.grad for p in named.values()] if spec.get("hold") else []
         if compile_backend is None:
             _clear(spec["clear"], model, opt, named)
@@ -168,7 +193,7 @@ def run(program: Program, kind: str, compile_backend: str | None = None) -> list
             toggled = None
         inputs = [torch.randn(6, 8, generator=gen) * 4 for _ in spec["micro"]]
         try:
-            norm = step(model, opt, scaler, inputs, spec)
+            norm, kept = step(model, opt, scaler, inputs, spec)
         except Exception as exc:  # noqa: BLE001 - an exception is an observation
             trace.append({"where": f"step {n}", "raised": type(exc).__name__})
             return trace
@@ -177,22 +202,53 @@ def run(program: Program, kind: str, compile_backend: str | None = None) -> list
                 toggled.requires_grad_(True)
         trace.append(_snapshot(model, opt, scaler, f"step {n} after step", norm))
         trace[-1]["held"] = {str(k): (None if g is None else g.clone()) for k, g in enumerate(held)}
+        trace[-1]["kept"] = kept
         del held
     return trace
 
 
+def _surgery(name: str, model: Net, opt: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> None:
+    """Replace parameter ``name`` by a new one equal in value, in the module and in place in its group's
+    list (the list and its length stay), its optimizer state carried over."""
+    old = named[name]
+    new = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attr, new)
+    for group in opt.param_groups:
+        params = group["params"]
+        for j, p in enumerate(params):
+            if p is old:
+                params[j] = new
+    if old in opt.state:
+        opt.state[new] = opt.state.pop(old)
+    named[name] = new
+
+
 def make_step(kind: str, named: dict[str, torch.Tensor], clear: bool = False) -> Callable[..., Any]:
     """One iteration: (with ``clear``, the clearing first,) forward under fp16 autocast and scaled
-    backward per micro-batch, an inf injected on request, the clip, ``scaler.step`` and
-    ``scaler.update``. Returns the norm the clip returned."""
+    backward per micro-batch (after a ``torch.autograd.grad`` probe, on request), a gradient's view kept
+    and another pruned on request, an inf injected on request, the clip, ``scaler.step`` and
+    ``scaler.update``. Returns the norm the clip returned and the kept view's values after the step."""
 
     def step(model: Net, opt: torch.optim.Optimizer, scaler: Any, inputs: list[torch.Tensor], spec: dict[str, Any]):
         if clear:
             _clear(spec["clear"], model, opt, named)
+        if spec.get("probe"):  # gradients for analysis: autograd.grad accumulates nothing into .grad
+            with torch.autocast("cpu", dtype=torch.float16):
+                probe = model(inputs[0], True).float().pow(2).mean()
+            torch.autograd.grad(probe, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
         for x, taken in zip(inputs, spec["micro"]):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(x, taken).float().pow(2).mean()
             scaler.scale(loss).backward()
+        kept = None
+        if spec.get("prune"):
+            watched, pruned = named["hidden.weight"], named["inp.weight"]
+            if watched.grad is not None:
+                kept = watched.grad.detach()  # kept for analysis: it shares the gradient's memory
+            if pruned.grad is not None:
+                mask = (torch.arange(pruned.numel()) % 3 != 0).reshape(pruned.shape).to(pruned.dtype)
+                pruned.grad = pruned.grad * mask
         if spec["inject"]:
             first = next((p for p in model.parameters() if p.grad is not None), None)
             if first is not None:
@@ -220,7 +276,7 @@ def make_step(kind: str, named: dict[str, torch.Tensor], clear: bool = False) ->
                 else:
                     del opt.state[p]
         scaler.update()
-        return None if norm is None else norm.detach().clone()
+        return None if norm is None else norm.detach().clone(), None if kept is None else kept.clone()
 
     return step
 

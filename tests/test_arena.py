@@ -7,6 +7,7 @@ import gc
 import math
 import pickle
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -396,21 +397,6 @@ def test_each_check_finds_what_leaves_the_arena(check):
     assert "parameters changed" in arena.problem()
 
 
-def test_refcount_check_blind_spot_is_the_documented_one_and_identity_sees_it():
-    """A gradient replaced while its old view is still referenced: refcount cannot tell; identity can."""
-    for check, seen in (("refcount", False), ("identity", True)):
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        arena = amp_backends.flat_grads(opt, check=check)
-        model(torch.randn(2, 13)).sum().backward()
-        w = model[0].weight
-        old = w.grad
-        w.grad = old * 2
-        assert (arena.problem() is not None) is seen, check
-        del old
-        assert arena.problem() is not None, "once the old view is gone, both see it"
-
-
 def test_gradients_torch_makes_itself_are_seen_and_taken_back():
     """create_graph=True (torch replaces the gradient out of place) and a gradient of a parameter made
     while a view of its slot was still held: outside the arena, found, the step per-tensor and right."""
@@ -550,3 +536,301 @@ def test_release_removes_the_arenas_hooks():
     arena = amp_backends.flat_grads(opt)
     arena.release()
     assert all(not p._backward_hooks for p in model.parameters())
+    model(torch.randn(4, 6), 0).sum().backward()
+    assert all(p.grad._base is None for p in model.parameters()), "backward makes torch's own gradients"
+
+
+# -- hostile input (issue 38, items 4, 5, 6, 13): each against torch's own scaler, parameters bitwise --------------
+
+
+def _against_torch(program, checks=("refcount", "identity")):
+    """``program(arena, check)`` -> observations per step; with the arena (each check, no fallback warning
+    unless ``program`` expects one itself) they equal those of torch.amp.GradScaler without one."""
+    reference = program(False, None)
+    for check in checks:
+        got = program(True, check)
+        assert len(got) == len(reference)
+        for step, (a, b) in enumerate(zip(got, reference)):
+            assert a.keys() == b.keys()
+            for key in a:
+                x, y = a[key], b[key]
+                same = (x is None and y is None) if x is None or y is None else torch.equal(x, y)
+                assert same, f"{check}, step {step}: {key} differs from torch's scaler"
+
+
+def _observe(model):
+    out = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
+    out.update({f"grad {n}": None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _scaler(arena):
+    return GradScaler("cpu", init_scale=2.0**8) if arena else torch.amp.GradScaler("cpu", init_scale=2.0**8)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd-weight-decay", "sgd-momentum"])
+def test_autograd_grad_leaves_grad_none_where_torch_does(optimizer):
+    """torch.autograd.grad(...) accumulates nothing into .grad: the arena hands no view out there (its hook
+    is on the AccumulateGrad node, which autograd.grad does not run). A parameter that only autograd.grad
+    reached keeps .grad None, and AdamW with weight decay leaves it alone, as with torch's scaler."""
+    make = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+            "sgd-weight-decay": lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1),
+            "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}[optimizer]
+
+    def program(arena, check):
+        model = _Branchy()
+        opt = make(model.parameters())
+        if arena:
+            amp_backends.flat_grads(opt, check=check)
+        scaler = _scaler(arena)
+        g = torch.Generator().manual_seed(3)
+        history = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # the arena follows torch: no fallback
+            for step in range(1, 5):  # the branch and the early head are used by the probe only (step 0's forward)
+                opt.zero_grad()
+                x = torch.randn(4, 6, generator=g)
+                probe = torch.autograd.grad(model(x, 0).square().mean(), list(model.parameters()), allow_unused=True)
+                assert all(t is not None for t in probe)
+                scaler.scale(model(x, 1).square().mean()).backward()
+                if arena:
+                    assert model.branch.weight.grad is None and model.early.bias.grad is None
+                scaler.step(opt)
+                scaler.update()
+                history.append(_observe(model))
+        return history
+
+    _against_torch(program)
+
+
+def test_backward_with_inputs_hands_views_to_the_parameters_it_names_only():
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    loss = model(torch.randn(4, 6), 0).sum()
+    loss.backward(inputs=[model.trunk.weight, model.out.bias])
+    assert model.trunk.weight.grad._base is arena.groups[0].buffer and model.out.bias.grad._base is arena.groups[0].buffer
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in ("trunk.weight", "out.bias"))
+    assert arena.problem() is None
+
+
+@pytest.mark.parametrize("numel", [1, 6])
+def test_a_parameter_replaced_in_the_optimizers_list_is_seen(numel):
+    """Model surgery: a parameter replaced in the module and in its group's list (same list, same length).
+    The arena sees it before the op (the step runs per-tensor, warned, with torch's results), and after
+    flat_grads(optimizer) again the new parameter's gradient is in the arena. A one-element parameter
+    replaced by one equal in value is seen too (it compares equal by value)."""
+
+    def program(arena, check):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, numel), torch.nn.Tanh(), torch.nn.Linear(numel, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        if arena:
+            amp_backends.flat_grads(opt, check=check)
+        scaler = _scaler(arena)
+        g = torch.Generator().manual_seed(4)
+        history = []
+        for step in range(5):
+            if step == 1:  # surgery: a new bias for the first layer, equal to the old one
+                new = torch.nn.Parameter(model[0].bias.detach().clone())
+                model[0].bias = new
+                opt.param_groups[0]["params"][1] = new
+            if step == 3 and arena:
+                amp_backends.flat_grads(opt, check=check)  # what the warning asks for
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(5, 3, generator=g)).square().mean()).backward()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RuntimeWarning)
+                scaler.step(opt)
+            scaler.update()
+            if arena:
+                arena_now = flat_grads_of(opt)
+                fallback = [str(w.message) for w in caught if "flat_grads" in str(w.message)]
+                if step in (1, 2):  # per-tensor until flat_grads() again, said once
+                    assert "parameter 1 of param group 0 is another tensor" in arena_now.problem()
+                    assert len(fallback) == (step == 1) and all("is another tensor" in m for m in fallback)
+                    assert "flat_grads(optimizer) again" in arena_now.problem()
+                else:
+                    assert not fallback, fallback
+                    assert arena_now.problem() is None and model[0].bias.grad._base is arena_now.groups[0].buffer
+            history.append(_observe(model))
+        return history
+
+    _against_torch(program)
+
+
+def test_a_replaced_list_or_an_added_group_is_named():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+    assert "param group 0's list of parameters was replaced" in arena.problem() and not arena.fits()
+    amp_backends.flat_grads(opt)
+    arena = flat_grads_of(opt)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    assert "2 param groups, 1 at flat_grads()" in arena.problem()
+
+
+@pytest.mark.parametrize("check", ["refcount", "identity"])
+def test_a_kept_view_and_a_pruned_gradient_in_the_same_step(check):
+    """g = p.grad.detach() kept for analysis and q.grad = q.grad * mask (pruning) in the same step: the
+    buffer's count stays balanced (one tensor more, one less), but the pruned gradient's view ended, and
+    the arena sees it: each step equals torch's scaler, and so does the kept tensor."""
+
+    def program(arena, check):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if arena:
+            amp_backends.flat_grads(opt, check=check)
+        scaler = _scaler(arena)
+        g = torch.Generator().manual_seed(5)
+        mask = (torch.arange(37 * 13) % 3 != 0).reshape(37, 13).float()
+        history, kept = [], None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for _ in range(3):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(8, 13, generator=g)).float().pow(2).mean()
+                scaler.scale(loss).backward()
+                kept = model[2].weight.grad.detach()  # kept for analysis, across the next zero_grad too
+                model[0].weight.grad = model[0].weight.grad * mask  # pruning
+                scaler.step(opt)
+                scaler.update()
+                history.append({**_observe(model), "kept": kept.clone()})
+        return history
+
+    _against_torch(program, checks=(check,))
+
+
+def test_refcount_check_blind_spots_are_the_documented_ones_and_identity_sees_them():
+    """What "refcount" cannot tell, with no backward in between: the view object itself kept while .grad is
+    replaced by hand; a view's .data swapped while as many new tensors share the buffer. identity can."""
+    def replaced(w, b):
+        old = w.grad
+        w.grad = old * 2
+        return old
+
+    def swapped(w, b):
+        extra = b.grad.detach()
+        w.grad.data = torch.ones_like(w)
+        return extra
+
+    for leave in (replaced, swapped):
+        for check, seen in (("refcount", False), ("identity", True)):
+            model = _model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            arena = amp_backends.flat_grads(opt, check=check)
+            model(torch.randn(2, 13)).sum().backward()
+            held = leave(model[0].weight, model[0].bias)
+            assert (arena.problem() is not None) is seen, (leave.__name__, check)
+            del held
+            assert arena.problem() is not None, "once the other reference is gone, both see it"
+
+
+def test_a_gradient_dropped_while_another_view_is_kept_is_seen_by_refcount():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    model(torch.randn(2, 13)).sum().backward()
+    kept = model[2].weight.grad.detach()
+    model[0].bias.grad = None
+    assert "still referenced elsewhere" in arena.problem()
+    del kept
+    assert arena.problem() is None, "nobody holds the dropped view: its slot is free again"
+    assert model[0].bias.grad is None and arena._slots[0].drops == []
+
+
+def _recreating(arena, check, keep_old):
+    model = _model()
+    make = lambda: torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = make()
+    if arena:
+        amp_backends.flat_grads(opt, check=check)
+    scaler = _scaler(arena)
+    g = torch.Generator().manual_seed(6)
+    history, old = [], None
+    for step in range(5):
+        if step == 2:  # the optimizer made again over the same parameters (a new learning-rate plan, say)
+            if keep_old:
+                old = opt
+            gone = weakref.ref(opt)
+            buffer = weakref.ref(flat_grads_of(opt).groups[0].buffer) if arena else None
+            opt = make()
+            if not keep_old:
+                assert gone() is None, "nothing holds the old optimizer, its state or its arena"
+            if arena:
+                amp_backends.flat_grads(opt, check=check)  # the gradients present are copied in
+                assert keep_old or buffer() is None, "the old arena's buffer is freed"
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(8, 13, generator=g)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if arena:
+            assert flat_grads_of(opt).problem() is None
+            assert all(p.grad._base is flat_grads_of(opt).groups[0].buffer for p in model.parameters())
+        history.append(_observe(model))
+    assert old is None or flat_grads_of(old) is None
+    return history
+
+
+def test_a_recreated_optimizer_frees_the_old_one_and_the_new_arena_keeps_the_fast_path():
+    """A new optimizer over the same parameters, then flat_grads(new): the old optimizer, its state and
+    its arena are freed (the hooks hold their arena weakly, the arena its optimizer), and the new arena
+    takes every step on its buffers (no fallback, no warning), with torch's results."""
+    def program(arena, check):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            return _recreating(arena, check, keep_old=False)
+
+    _against_torch(program)
+
+
+def test_flat_grads_over_parameters_another_live_arena_holds_takes_them_over():
+    def program(arena, check):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            history = _recreating(arena, check, keep_old=True)
+        messages = [str(w.message) for w in caught]
+        if arena:
+            assert len(messages) == 1 and "still alive (AdamW at" in messages[0] and "LR scheduler" in messages[0]
+        return history
+
+    _against_torch(program)
+    # the other optimizer, still stepped, runs on the per-tensor path with torch's results
+    model = _model()
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp_backends.flat_grads(first)
+    second = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="still alive"):
+        amp_backends.flat_grads(second)
+    assert flat_grads_of(first) is None and "zero_grad" not in vars(first)
+    model(torch.randn(2, 13)).sum().backward()
+    assert model[0].weight.grad._base is flat_grads_of(second).groups[0].buffer
+    assert model[2].weight.grad._base is None, "the released arena hands nothing out"
+
+
+def test_an_arena_outliving_its_optimizer_lets_go_of_the_parameters():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    del opt
+    assert arena.optimizer is None and arena.problem() is not None
+    model(torch.randn(2, 13)).sum().backward()
+    assert all(p.grad._base is None for p in model.parameters()), "its hooks went with the optimizer"
+
+
+def test_a_parameter_given_a_new_node_is_hooked_again():
+    """p.data swapped for another dtype and back gives the parameter a new AccumulateGrad node: one step
+    per-tensor (warned), and the next zero_grad hooks the new node."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    model.double().float()
+    model(torch.randn(2, 13)).sum().backward()
+    assert "outside the arena" in arena.problem()
+    opt.zero_grad()
+    model(torch.randn(2, 13)).sum().backward()
+    assert arena.problem() is None and all(p.grad._base is arena.groups[0].buffer for p in model.parameters())

@@ -1,8 +1,10 @@
 """The training step against an independent reference: torch's own scaler and recipes (see
 tests/differential.py), in random seeded programs. Every program runs with torch.amp.GradScaler
 (the oracle), with amp_backends.GradScaler, and with each gradient-arena check; everything a user
-can observe must be bitwise equal. A subset also runs the whole step compiled, against the same step
-eager and against torch's scaler compiled the same way.
+can observe must be bitwise equal, in programs that also do what hostile loops do (autograd.grad
+probes, a kept view with a pruned gradient, model surgery, the optimizer made again). A subset also
+runs the whole step compiled, against the same step eager and against torch's scaler compiled the
+same way.
 
     pytest tests/test_differential.py --fuzz-programs 5000      # thousands on demand
 """
@@ -61,6 +63,44 @@ def test_the_programs_cover_what_they_claim():
     assert {s["clip"] for s in steps} == {None, "scaler", "recipe"}
     assert any(len(s["micro"]) > 1 for s in steps) and any(not any(s["micro"]) for s in steps)
     assert any(p.frozen_until for p in programs) and any(p.momentum for p in programs)
+    # issue 38: autograd.grad reaching parameters the backward then does not (the branch not taken);
+    # a kept view and a pruned gradient; surgery, with and without flat_grads() again later; optimizers made again
+    assert sum(s["probe"] and not any(s["micro"]) for s in steps) > 20
+    assert sum(s["prune"] for s in steps) > 100 and sum(s["recreate"] for s in steps) > 100
+    assert {s["surgery"] for s in steps} == {None, *d.SURGERIES}
+    later = [any(t["rebuild"] or t["recreate"] for t in p.steps[i + 1:]) for p in programs for i, s in enumerate(p.steps)
+             if s["surgery"]]
+    assert sum(later) > 20 and later.count(False) > 20
+
+
+def test_the_generator_keeps_the_older_programs():
+    """The hostile events are drawn from a generator of their own: without them, a seed's program is the one
+    it always was (the fuzz's history, and failures reported by seed, stay comparable)."""
+    program = d.make_program(7)
+    assert (program.optimizer, program.impl, program.width, len(program.steps)) == ("adam", "foreach", 5, 3)
+    assert [s["clear"] for s in program.steps] == ["keep", "opt-none", "opt-none"]
+    assert [s["micro"] for s in program.steps] == [[True], [True, True, False], [False, True, True]]
+
+
+def test_the_fuzz_sees_an_old_optimizer_kept_alive():
+    """The oracle can fail on the new observations too: an arena that kept every optimizer it was given
+    alive (as hooks holding the arena once did) is caught at the first program that makes one again."""
+    import amp_backends
+
+    kept = []
+    original = amp_backends.flat_grads
+
+    def keeping(optimizer, **kwargs):
+        kept.append(optimizer)
+        return original(optimizer, **kwargs)
+
+    d.amp_backends.flat_grads = keeping
+    try:
+        seed = next(s for s in range(100) if any(step["recreate"] for step in d.make_program(s).steps))
+        program = d.make_program(seed)
+        assert d.first_difference(d.run(program, "torch"), d.run(program, "ours-arena-refcount")) is not None
+    finally:
+        d.amp_backends.flat_grads = original
 
 
 def test_the_fuzz_finds_a_gradient_left_scaled():

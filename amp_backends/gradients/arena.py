@@ -2,31 +2,31 @@
 
     arena = amp_backends.flat_grads(optimizer)   # once, after building the optimizer
 
-Each parameter gets a slot in one flat buffer per (device, dtype), 16 bytes aligned. Gradients
-keep torch's meaning at every point: ``.grad`` is None exactly where torch's would be (before the
-first backward, after ``zero_grad()`` with ``set_to_none=True``, for a parameter no backward
-reached), and when backward produces a gradient for a parameter whose ``.grad`` is None, a hook
-run just before torch accumulates it puts the slot's (zero) view in ``.grad``, so torch
-accumulates into the buffer in place. The scaler then unscales, checks, measures and clips whole
-buffers: a constant amount of Python per (device, dtype), with the per-tensor path's results.
+Each parameter gets a 16-byte aligned slot in one flat buffer per (device, dtype). ``.grad`` is None
+exactly where torch's would be; when backward accumulates into a ``.grad`` that is None, a hook on
+the parameter's ``AccumulateGrad`` node first puts the slot's zero view there (:mod:`.accumulation`),
+so torch accumulates into the buffer in place. The scaler then unscales, checks, measures and clips
+whole buffers: constant Python per (device, dtype), the per-tensor path's results (docs/arena.md).
 
-Confirming, before each of the scaler's ops, that the buffers hold the optimizer's gradients
-(``check=``):
+Before each op the arena confirms the optimizer still has the parameters it was built for (one
+pointer comparison each, in C: a parameter replaced in its group's list is seen), then that the
+buffers hold their gradients (``check=``):
 
-- ``"refcount"`` (default): constant work per buffer and per parameter without a gradient. Every
-  slot has exactly one view alive, either in its parameter's ``.grad`` or kept by the arena, so
-  the buffer's storage is shared by a known number of tensors: a view dropped from ``.grad`` (set to
-  None, replaced, its ``.data`` swapped) or an extra reference held elsewhere changes the count. A
-  gradient that appears on a parameter without one (assigned, made by DDP or by a backward the arena
-  left to torch) is seen by looking at those parameters. Blind spot: a gradient view kept alive
-  outside (``old = p.grad``) while its ``.grad`` is replaced or set to None by hand, with no
-  backward in between.
+- ``"refcount"`` (default): constant work per buffer and per parameter without a gradient. Each
+  slot has one view alive, in ``.grad`` or kept by the arena, so the buffer's storage is shared by
+  a known number of tensors: a view's ``.data`` swapped or a reference held elsewhere changes the
+  count. A view in ``.grad`` is watched (a weak reference): its end (``.grad`` set to None or
+  replaced, nobody holding the view) is noted even where another reference balances the count. A
+  gradient appearing where there was none is seen by looking at those parameters. Blind spots, with
+  no backward reaching the parameter before the op: the view object itself kept elsewhere
+  (``old = p.grad``) while ``.grad`` is replaced or set to None by hand; a view's ``.data`` swapped
+  while as many new tensors sharing the buffer are made.
 - ``"identity"``: every parameter's ``.grad`` is looked at (about 0.1 us each); no blind spot.
 
-When the count or a look says something changed, the parameters are walked once: views dropped
-with nobody else holding them are taken back (their slots zeroed), and the op runs on the buffers
-if every gradient is in its slot. Otherwise that step runs on the per-tensor path (correct results),
-with one warning naming the cause; ``optimizer.zero_grad()`` brings the gradients back.
+When a check finds a change, the parameters are walked once: views dropped with nobody else holding
+them are taken back, and the op runs on the buffers if every gradient is in its slot; else that step
+runs on the per-tensor path (correct results), warned once per cause, and ``optimizer.zero_grad()``
+brings the gradients back. The arena holds its optimizer weakly: it goes when the optimizer goes.
 """
 
 from __future__ import annotations
@@ -34,27 +34,32 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ..eager import eager, untraced
+from ..eager import eager
+from .accumulation import Hooks, holders, take_over
 from .groups import ALIGN_BYTES, ARENA_ATTR, FP16_PARAMS, FlatGroup, layout, views_of
 
 __all__ = ["ALIGN_BYTES", "ARENA_ATTR", "CHECKS", "FP16_PARAMS", "FlatGrads", "FlatGroup", "flat_grads", "flat_grads_of",
            "layout"]
 
 _ATTR = ARENA_ATTR
+_use_count = torch._C._storage_Use_Count
 #: How the arena confirms the gradients are in place (see the module docstring); the first is the default.
 CHECKS = ("refcount", "identity")
 
 
 class _Slots:
     """One buffer's bookkeeping. Each slot's view is alive exactly once: in its parameter's
-    ``.grad`` (the slot holds a gradient) or in ``spare`` (it holds none, and is zero)."""
+    ``.grad`` (the slot holds a gradient) or in ``spare`` (it holds none, and is zero). A view in
+    ``.grad`` is watched (``watch``, a weak reference): when it ends (dropped from ``.grad`` with
+    nobody holding it), its weak reference lands in ``drops``, and the next check walks."""
 
-    __slots__ = ("group", "spare", "free", "base", "ptrs", "_storage")
+    __slots__ = ("_storage", "base", "drops", "free", "group", "on_drop", "ptrs", "spare", "watch")
 
     def __init__(self, group: FlatGroup, installed: Sequence[bool]) -> None:
         self.group = group
@@ -64,13 +69,16 @@ class _Slots:
         views = views_of(group.buffer, group.offsets, group.shapes)
         self.spare: list[torch.Tensor | None] = [None if on else v for v, on in zip(views, installed)]
         self.free = {i for i, on in enumerate(installed) if not on}
+        self.drops: list[Any] = []
+        self.on_drop = self.drops.append  # a builtin: called while a view is freed, wherever that happens
+        self.watch: list[Any] = [weakref.ref(v, self.on_drop) if on else None for v, on in zip(views, installed)]
         for p, v, on in zip(group.params, views, installed):
             if on:
                 p.grad = v
 
     def refs(self) -> int:
         """How many tensors share the buffer's memory (the buffer and this object's handle on it included)."""
-        return torch._C._storage_Use_Count(self._storage._cdata)
+        return _use_count(self._storage._cdata)
 
     def _ptrs(self) -> list[int]:
         """Each slot's address."""
@@ -87,14 +95,13 @@ class _Slots:
         self.fresh(reuse=True)
         return self.spare[i]
 
-    def expected_refs(self) -> int:
-        return self.base + len(self.spare)
-
     def fresh(self, reuse: bool) -> None:
         """Every slot free and zero: the buffer zeroed in place, or (``reuse`` False: an old view
         may still be held elsewhere, and must keep its values) a new buffer."""
         g = self.group
         g.dirty = False
+        self.watch = [None] * len(self.watch)  # every view comes back to the arena: none is watched
+        self.drops.clear()
         if reuse:
             g.buffer.zero_()
             if len(self.free) == len(self.spare):  # every view is a spare already
@@ -132,53 +139,32 @@ class FlatGrads:
 
     def __init__(self, optimizer: torch.optim.Optimizer, check: str = CHECKS[0]) -> None:
         _require_known(check)
-        self.optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)
         self.check = check
-        self._structure = _structure(optimizer)
-        self._params = tuple(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"]))
+        #: each param group's list of parameters, and a copy: what the optimizer had at flat_grads()
+        self._lists = tuple(g["params"] for g in optimizer.param_groups)
+        self._copies = tuple(list(params) for params in self._lists)
+        #: where one-element parameters stand: another one-element tensor there may compare equal by value
+        self._scalars = tuple((k, j) for k, ps in enumerate(self._copies) for j, p in enumerate(ps) if p.numel() == 1)
+        self._params = tuple(dict.fromkeys(p for params in self._copies for p in params))
         self._slots: tuple[_Slots, ...] = tuple(_build(self._params))
         self.groups: tuple[FlatGroup, ...] = tuple(s.group for s in self._slots)
-        slotted = {id(p) for g in self.groups for p in g.params}
+        self._fp16 = any(g.dtype == torch.float16 for g in self.groups)
         #: parameters without a slot (requires_grad False when flat_grads() ran): looked at per op
-        self._slotless = tuple(p for p in self._params if id(p) not in slotted)
-        #: set when a backward left a gradient to torch (outside the buffers)
+        self._slotless = tuple(p for p in self._params if not p.requires_grad)
+        #: set when a backward left a gradient to torch (outside the buffers), or a walk found one
         self._outside = False
+        #: (buffer, slot) of gradients torch made where the slot was free: nodes to look at, at zero_grad
+        self._suspects: set[tuple[int, int]] = set()
         self._warned: set[str] = set()
-        self._torch_zero_grad = optimizer.zero_grad
-        self._handles = [p.register_hook(self._arrival(s, i)) for s in self._slots for i, p in enumerate(s.group.params)]
+        #: a zero_grad the optimizer had as its own attribute (else its class's runs)
+        self._own_zero_grad = optimizer.__dict__.get("zero_grad")
+        self._hooks = Hooks(self, optimizer, self._slots)
 
-    # -- backward ----------------------------------------------------------------------
-    def _arrival(self, slots: _Slots, i: int) -> Any:
-        param = slots.group.params[i]
-
-        def arrive(grad: torch.Tensor) -> None:
-            """Before torch accumulates ``grad``: a parameter without a gradient gets its slot's
-            zero view, so torch accumulates into the buffer in place. (Never traced by dynamo, and
-            calls only untraced functions: it runs inside backward, itself never compiled.)"""
-            current = param.grad
-            if current is not None:
-                if current.data_ptr() != slots.ptrs[i]:  # a tensor put there by hand, or by DDP: noted
-                    self._outside = True
-                return
-            if grad.is_sparse or torch.is_grad_enabled():  # sparse, or create_graph: torch makes its own
-                self._outside = True
-                return
-            if slots.group.dirty:  # a free slot's view must be zero before torch accumulates into it
-                slots.clean()
-            view = slots.spare[i]
-            if view is None:  # the view this slot gave was dropped (model.zero_grad(), p.grad = None)
-                view = slots.reclaim(i)
-                if view is None:  # some view is still alive: leave it be, torch makes a new tensor
-                    self._outside = True
-                    return
-            try:
-                param.grad = view
-            except RuntimeError:  # the parameter no longer fits its slot (model.half(), .to()): torch's own
-                self._outside = True
-                return
-            slots.spare[i] = None
-            slots.free.discard(i)
-        return untraced(arrive)
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer (held weakly: None once nobody else holds it)."""
+        return self._optimizer()
 
     # -- state -------------------------------------------------------------------------
     def problem(self) -> str | None:
@@ -186,19 +172,59 @@ class FlatGrads:
 
         ``"refcount"``: constant work per buffer and per parameter without a gradient; when that
         finds a change, and always with ``"identity"``, one walk over the parameters (which also
-        takes back views dropped with nobody holding them)."""
-        if _structure(self.optimizer) != self._structure:
-            return ("the optimizer's parameters changed since flat_grads() (a param group added or a "
-                    "parameter replaced): call amp_backends.flat_grads(optimizer) again")
+        takes back views dropped with nobody holding them). Before either, whether the optimizer
+        still has the parameters the arena was built for (one pointer comparison each, in C)."""
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return "the optimizer this arena was made for is gone"
+        if not self._unchanged(optimizer):
+            return self._change(optimizer)
         if self._consistent() if self.check == "refcount" else self._each_in_place():
             return None
         return self._resync()
+
+    def _unchanged(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether each param group is the list it was, holding the same tensors (a parameter replaced
+        in place, ``group["params"][i] = new``, changes neither the list nor its length)."""
+        groups = optimizer.param_groups
+        if len(groups) != len(self._lists):
+            return False
+        for group, params, copy in zip(groups, self._lists, self._copies):
+            current = group["params"]
+            if current is not params:
+                return False
+            try:
+                # the same tensors compare by identity (one pointer comparison each); a different
+                # tensor compares by value, and says "not equal" or raises (ambiguous, shapes, devices)
+                if current != copy:
+                    return False
+            except Exception:  # noqa: BLE001 - any failure to compare is a change
+                return False
+        # a one-element tensor equal in value passes the comparison above: those by identity
+        return not self._scalars or all(self._lists[k][j] is self._copies[k][j] for k, j in self._scalars)
+
+    def _change(self, optimizer: torch.optim.Optimizer) -> str:
+        """What :meth:`_unchanged` found (the per-tensor path's cost: a walk)."""
+        groups = optimizer.param_groups
+        detail = f"{len(groups)} param groups, {len(self._lists)} at flat_grads() (optimizer.add_param_group?)"
+        for k, (group, params, copy) in enumerate(zip(groups, self._lists, self._copies)):
+            current = group["params"]
+            if current is not params or len(current) != len(copy):
+                detail = f"param group {k}'s list of parameters was replaced or resized"
+                break
+            j = next((j for j, (a, b) in enumerate(zip(current, copy)) if a is not b), None)
+            if j is not None:
+                detail = (f"parameter {j} of param group {k} is another tensor (model surgery?), whose gradient "
+                          "the arena does not hold")
+                break
+        return (f"the optimizer's parameters changed since flat_grads(): {detail}; call "
+                "amp_backends.flat_grads(optimizer) again")
 
     def _consistent(self) -> bool:
         if self._outside:
             return False
         for s in self._slots:
-            if s.refs() != s.expected_refs():
+            if s.drops or _use_count(s._storage._cdata) != s.base + len(s.spare):  # a view ended, or the count moved
                 return False
             params = s.group.params
             for i in s.free:
@@ -228,7 +254,7 @@ class FlatGrads:
         if any(p.grad is not None for p in self._slotless):
             why = ("a parameter without a slot (requires_grad was False at flat_grads()) has a gradient now: "
                    "call amp_backends.flat_grads(optimizer) again")
-        for s in self._slots:
+        for k, s in enumerate(self._slots):
             g = s.group
             held, dead = 0, []
             for i, p in enumerate(g.params):
@@ -241,8 +267,11 @@ class FlatGrads:
                     if s.spare[i] is not None:  # a view of this slot kept from before, put back by hand
                         s.spare[i] = None
                         s.free.discard(i)
+                        s.watch[i] = weakref.ref(grad, s.on_drop)
                 else:
                     why = why or _foreign(grad, g, i)
+                    if s.spare[i] is not None:  # made where the slot was free: its node may lack the hook
+                        self._suspects.add((k, i))
             # references beyond one per spare view and one per gradient in place: views held elsewhere
             extra = s.refs() - s.base - len(s.free) - held
             if dead and extra == 0:  # dropped views nobody holds: their slots are free again, zeroed
@@ -251,11 +280,13 @@ class FlatGrads:
                 for i, v in zip(dead, views):
                     s.spare[i] = v
                     s.free.add(i)
+                    s.watch[i] = None
             elif dead:
                 why = why or ("a gradient view taken out of .grad is still referenced elsewhere, so its slot "
                               "cannot be reused until optimizer.zero_grad()")
-        if why is None:
-            self._outside = False
+            s.drops.clear()  # every view that ended is accounted for above
+        # until a walk finds every gradient in place again, each check walks
+        self._outside = why is not None
         return why
 
     def attached(self) -> bool:
@@ -270,7 +301,10 @@ class FlatGrads:
 
     def has_gradients(self) -> bool:
         """Whether any slot holds a gradient (the per-tensor path would find one)."""
-        return any(len(s.free) < len(s.group.params) for s in self._slots)
+        for s in self._slots:
+            if len(s.free) < len(s.spare):
+                return True
+        return False
 
     def groups_for_op(self, allow_fp16: bool) -> list[FlatGroup] | None:
         """The buffers, for the scaler's op, when they hold exactly the optimizer's gradients (else
@@ -281,7 +315,7 @@ class FlatGrads:
             return None
         if not self.has_gradients():
             return []  # torch's path finds no gradient either: its step raises, as torch's does
-        if not allow_fp16 and any(g.dtype == torch.float16 for g in self.groups):
+        if not allow_fp16 and self._fp16:
             raise ValueError(FP16_PARAMS)
         for s in self._slots:
             if s.group.dirty:
@@ -290,7 +324,8 @@ class FlatGrads:
 
     def fits(self) -> bool:
         """Whether every parameter still matches its slot (same parameters, dtypes, shapes, devices)."""
-        if _structure(self.optimizer) != self._structure:
+        optimizer = self._optimizer()
+        if optimizer is None or not self._unchanged(optimizer):
             return False
         return all(
             p.dtype == g.dtype and p.shape == shape and p.device == g.device
@@ -303,16 +338,21 @@ class FlatGrads:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``, exactly as the parameters see it (``.grad`` None, or zeroed in
         place), at one op per buffer: the views go back to the arena, not to the allocator."""
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return None
         if not self.fits():
-            return self._torch_zero_grad(set_to_none=set_to_none)
+            return self._torch_zero_grad(optimizer, set_to_none)
         healthy = self.problem() is None
         if not healthy:  # gradients outside the buffers: torch's zero_grad treats each one as torch would
-            self._torch_zero_grad(set_to_none=set_to_none)
+            self._torch_zero_grad(optimizer, set_to_none)
             if set_to_none:
                 for s in self._slots:  # nothing is in .grad now; a view still held elsewhere keeps its values
                     s.fresh(reuse=s.refs() == s.base + len(s.free))
                 self._outside = False
-            return
+            self._hooks.refresh(self._slots, self._suspects)  # a parameter with a new node is hooked again
+            self._suspects.clear()
+            return None
         for s in self._slots:
             if not set_to_none:
                 s.group.buffer.zero_()  # torch zeroes each gradient in place: one op here
@@ -328,18 +368,28 @@ class FlatGrads:
                     params[i].grad = None
             s.free = set(range(len(params)))
             # zeroed in place unless a gradient is still referenced elsewhere: torch would leave it be
-            s.fresh(reuse=not held and s.refs() == s.expected_refs())
+            s.fresh(reuse=not held and s.refs() == s.base + len(s.spare))
+
+    def _torch_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        if self._own_zero_grad is not None:
+            self._own_zero_grad(set_to_none=set_to_none)
+        else:
+            type(optimizer).zero_grad(optimizer, set_to_none=set_to_none)
 
     def release(self) -> None:
         """Give the optimizer back its own ``zero_grad`` and remove the arena's hooks; the
         gradients stay where they are."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if getattr(self.optimizer, _ATTR, None) is self:
-            delattr(self.optimizer, _ATTR)
-        if self.optimizer.__dict__.get("zero_grad") == self.zero_grad:
-            del self.optimizer.zero_grad
+        self._hooks.remove(self._slots)
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return
+        if getattr(optimizer, _ATTR, None) is self:
+            delattr(optimizer, _ATTR)
+        if optimizer.__dict__.get("zero_grad") == self.zero_grad:
+            if self._own_zero_grad is not None:
+                optimizer.zero_grad = self._own_zero_grad  # type: ignore[method-assign]
+            else:
+                del optimizer.zero_grad
 
     @property
     def nbytes(self) -> int:
@@ -358,10 +408,12 @@ def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = CHECKS[0]) -> F
     """Give ``optimizer``'s gradients one aligned flat buffer per (device, dtype) (see
     :mod:`amp_backends.gradients.arena`). Gradients present are copied in; parameters without one keep
     ``.grad`` None until a backward reaches them. Calling it again rebuilds the arena for the
-    current parameters (after ``add_param_group``, ``model.half()``).
+    current parameters (after ``add_param_group``, ``model.half()``, a parameter replaced). Parameters
+    that the arena of another optimizer still alive holds are taken over: that arena is released
+    (with a warning); an optimizer nobody holds any more has let go of its parameters already.
 
     ``check``: how the scaler confirms, before each op, that the gradients are in the buffers:
-    ``"refcount"`` (constant work; one narrow blind spot, see the module docstring) or
+    ``"refcount"`` (constant work; two narrow blind spots, see the module docstring) or
     ``"identity"`` (every parameter's ``.grad``, about 0.1 us each)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"flat_grads() takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -369,9 +421,11 @@ def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = CHECKS[0]) -> F
     previous = flat_grads_of(optimizer)
     if previous is not None:
         previous.release()
+    others = holders((p for g in optimizer.param_groups for p in g["params"]), previous)
     arena = FlatGrads(optimizer, check)
     setattr(optimizer, _ATTR, arena)
     optimizer.zero_grad = arena.zero_grad  # type: ignore[method-assign]
+    take_over(others)
     return arena
 
 
@@ -383,11 +437,6 @@ def flat_grads_of(optimizer: Any) -> FlatGrads | None:
 def _require_known(check: str) -> None:
     if check not in CHECKS:
         raise ValueError(f"flat_grads(check={check!r}): choose one of {', '.join(map(repr, CHECKS))}")
-
-
-def _structure(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int], ...]:
-    """What changes when parameters are added or a group's list is replaced: constant per group."""
-    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
 
 
 def _build(params: Sequence[torch.Tensor]) -> Iterator[_Slots]:
