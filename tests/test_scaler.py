@@ -355,7 +355,7 @@ def test_collapsing_scale_warns_once_naming_the_cause():
             opt.zero_grad()
     relevant = [w for w in caught if "loss scale fell" in str(w.message)]
     assert len(relevant) == 1
-    assert "loss or the model itself is producing NaN" in str(relevant[0].message)
+    assert "the loss or the model itself produces inf/NaN" in str(relevant[0].message) and "check_model" in str(relevant[0].message)
     assert scaler.get_scale() == 8.0 * 0.5**8
 
 

@@ -164,10 +164,12 @@ class Telemetry:
         if value < 1.0 and not self.warned_low_scale:
             self.warned_low_scale = True
             warnings.warn(
-                f"GradScaler: the loss scale fell to {value:g} after {self.stats_overflows()} overflows. "
-                "Scaling cannot fix gradients that are inf/NaN at any scale: the loss or the model "
-                "itself is producing NaN/inf (a learning rate too high, log/div of zero, or bf16-"
-                "pretrained weights that overflow float16; try bfloat16).",
+                f"GradScaler: the loss scale fell to {value:g} after {self.stats_overflows()} overflows: the "
+                "gradients overflow float16 even unscaled. Scales below 1 may still train (the scaler keeps "
+                "backing off), but if they do not, the loss or the model itself produces inf/NaN (a learning "
+                "rate too high, log/div of zero, bf16-pretrained weights that overflow float16): "
+                "amp_backends.check_model(model, inputs, dtype=torch.float16) measures every scale and names the "
+                "first op, or train in bfloat16.",
                 RuntimeWarning,
                 stacklevel=5,
             )
