@@ -28,13 +28,14 @@ __version__ = "0.1.0"
 
 #: Submodules reached as attributes, imported on first use: name -> module.
 _LAZY_SUBMODULES = {"check": "inspector.check", "checkpoint": "checkpoint", "distributed": "distributed",
-                    "info": "cli.info", "testing": "testing"}
+                    "info": "cli.info", "memory": "memory", "testing": "testing"}
 #: What a training loop may not use, imported on first use (keeps ``import amp_backends`` cheap): name -> module.
 _LAZY_NAMES = {
     "GradScaler": "scaler.scaler", "ScalerStats": "scaler.telemetry",
     "FlatGrads": "gradients.arena", "flat_grads": "gradients.arena",
     "RECIPE": "precision.policy", "PrecisionPolicy": "precision.policy", "precision_policy": "precision.policy",
     "AutocastModule": "precision.autocast_module", "autocast_module": "precision.autocast_module",
+    "memory_lean": "memory.lean", "Lean": "memory.lean",
     "check_model": "inspector.check", "ModelReport": "inspector.report",
     "detect_nonfinite": "inspector.nonfinite", "NonFiniteReport": "inspector.nonfinite",
 }
@@ -66,6 +67,7 @@ __all__ = [
     "FlatGrads",
     "GradScaler",
     "Kernel",
+    "Lean",
     "ModelReport",
     "NonFiniteReport",
     "PerformanceWarning",
@@ -86,6 +88,7 @@ __all__ = [
     "get",
     "hookimpl",
     "hookspec",
+    "memory_lean",
     "names",
     "plugins",
     "precision_policy",

@@ -77,7 +77,7 @@ def test_emulated_autocast_warns_once_per_process_and_can_be_silenced(fake_cpu):
     assert len(perf) == 1, "once per process, whatever the filter"
     text = str(perf[0].message)
     assert "bfloat16 autocast on cpu is emulated" in text and "lacks AVX512_BF16 or AMX_BF16" in text
-    assert "slower than float32" in text and "activation memory is still about halved" in text
+    assert "slower than float32" in text and "halved" not in text, "no saving is claimed that the model at hand was not measured for"
     assert "--no-amp" in text and perf[0].filename == __file__, "points at the caller's line"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"extension"},                            # ExtensionBackend: the base of PrivateUse1 vendors' backends
     {"tracing", "checkpoint"},                # running a model to see what it does; checkpoints
     {"precision", "distributed"},             # per-layer precision and fp8; process groups
+    {"memory"},                               # the memory ledger and memory-lean mixed precision
     {"inspector", "integrations"},            # check_model; Lightning, Accelerate, timm, Transformers
     {"cli", "testing"},                       # the command line and tools; the conformance suite
 ]

@@ -20,13 +20,16 @@ fp32's are shorter than ``HOST_BOUND_MS``, kernel launches and host work decide 
 device's arithmetic: that row carries no verdict, and a model all of whose steps are that short
 gets no recommendation but a pointer to the real-size models. Dtypes the device emulates are measured in fewer rounds and labelled.
 
-Peak memory is the device allocator's peak where the device has one; elsewhere (CPU) it is the
-memory of the tensors autograd saves for backward, which is what lower precision shrinks.
+Peak memory is the device allocator's peak where the device has one; on a CPU it is the ledger's
+(:mod:`amp_backends.memory.ledger`): every storage live at the step's peak, parameters, gradients and
+optimizer state included, counted through a real step at the measured size. ``--memory`` gives the
+ledger of each model at its full size and real batch, by part (:mod:`amp_backends.cli.bench_memory`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import json
 import platform
@@ -41,7 +44,10 @@ import torch
 from ..backend import Backend
 from .bench_models import MODELS, REAL_MODELS, Mode
 from ..errors import PerformanceWarning
+from ..memory.lean import memory_lean
+from ..memory.ledger import Ledger
 from ..registry.registry import get
+from .bench_memory import LEAN_HEADS
 from .bench_report import list_models, plot, render
 
 __all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "Mode", "modes_for", "run", "recommend", "render", "list_models"]
@@ -79,6 +85,8 @@ def modes_for(be: Backend) -> list[Mode]:
         if dtype in be.supported_dtypes():
             name = _dtype_name(dtype)
             modes += [Mode(f"amp-{name}", "amp", dtype, dtype in native), Mode(f"torch-{name}", "torch", dtype, dtype in native)]
+    if torch.bfloat16 in be.supported_dtypes():
+        modes.append(Mode("lean-bf16", "lean", torch.bfloat16, torch.bfloat16 in native))
     from .bench_fp8 import FP8_MODES, fp8_unavailable
 
     why_not = fp8_unavailable(be)
@@ -100,8 +108,9 @@ def _tf32(enabled: bool) -> Iterator[None]:
 
 
 def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
-              batch: tuple[torch.Tensor, torch.Tensor], mode: Mode) -> Callable[[], None]:
-    """One training step of ``model`` in ``mode`` (the model and optimizer are shared by the modes)."""
+              batch: tuple[torch.Tensor, torch.Tensor], mode: Mode, lm_head: str | None = None) -> Callable[[], None]:
+    """One training step of ``model`` in ``mode`` (the model and optimizer are shared by the modes; the lean
+    mode trains a copy of its own, its weights bf16). The step carries its ``model`` and ``optimizer``."""
     x, y = batch
     if mode.via == "full":
         tf32 = mode.name == "tf32"
@@ -111,9 +120,16 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, l
                 opt.zero_grad(set_to_none=True)
                 loss_fn(model(x), y).backward()
                 opt.step()
+        full_step.model, full_step.optimizer = model, opt  # type: ignore[attr-defined]
         return full_step
     fp16 = mode.dtype == torch.float16
-    if mode.via == "amp":
+    net, optimizer = model, opt
+    if mode.via == "lean":
+        net = copy.deepcopy(model)
+        lean = memory_lean(net, torch.optim.AdamW(net.parameters(), lr=1e-5), backend=be, weights=torch.bfloat16,
+                           lm_head=lm_head)
+        optimizer = lean.optimizer
+    if mode.via in ("amp", "lean"):
         scaler: Any = be.grad_scaler(mode.dtype)
         autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731
     else:
@@ -121,33 +137,36 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, l
         autocast = lambda: torch.autocast(be.device_type, dtype=mode.dtype)  # noqa: E731
 
     def amp_step() -> None:
-        opt.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         with autocast():
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(net(x), y)
         scaler.scale(loss).backward()
-        scaler.step(opt)
+        scaler.step(optimizer)
         scaler.update()
+    amp_step.model, amp_step.optimizer = net, optimizer  # type: ignore[attr-defined]
     return amp_step
 
 
 def peak_memory(be: Backend, step: Callable[[], None]) -> tuple[int, str]:
-    """Peak bytes of one step: the allocator's peak, or bytes saved for backward."""
+    """Peak bytes of one step: the allocator's peak where the device keeps one, else the ledger's (every
+    storage live at the step's peak, the first step's optimizer state made before it)."""
     be.synchronize()
     be.reset_peak_memory_stats()
     if be.max_memory_allocated() is not None:
         step()
         be.synchronize()
         return int(be.max_memory_allocated() or 0), "allocator peak"
-    saved = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    model, optimizer = step.model, step.optimizer  # type: ignore[attr-defined]
+    step()  # the optimizer's state exists from here, as in every later step
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    masters = list(getattr(optimizer, "masters", {}).values())
+    params = list(model.parameters())
+    ledger = Ledger()
+    ledger.register([*model.buffers(), *state, *masters, *[p.grad for p in params if p.grad is not None]],
+                    params=params)
+    with ledger:
         step()
-    return saved, "saved activations"
+    return ledger.peak, "ledger peak (every storage)"
 
 
 def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -236,7 +255,8 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                 model = spec.build(size).to(be.device())
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 data = spec.batch(size, be.device(), batch)
-                steps = {m.name: make_step(be, model, opt, spec.loss, data, m) for m in runnable if not _fp8(m)}
+                steps = {m.name: make_step(be, model, opt, spec.loss, data, m, LEAN_HEADS.get(name))
+                         for m in runnable if not _fp8(m)}
                 reasons = {}
                 if any(_fp8(m) for m in runnable):
                     from .bench_fp8 import make_fp8_steps
@@ -342,6 +362,8 @@ def _rows(model: str, params: int, modes: list[Mode], times: dict[str, list[floa
             theirs = times.get(f"torch-{_dtype_name(m.dtype)}")
             if theirs:
                 row["overhead_vs_torch"] = statistics.median(_ratios(t, theirs))
+        if m.via == "lean" and times.get(f"amp-{_dtype_name(m.dtype)}"):
+            row["vs_amp"] = statistics.median(_ratios(t, times[f"amp-{_dtype_name(m.dtype)}"]))
         if m.via == "amp-fp8" and times.get("torchao-fp8"):
             row["overhead_vs_torchao"] = statistics.median(_ratios(t, times["torchao-fp8"]))
         rows.append(row)

@@ -63,6 +63,7 @@ def make_fp8_steps(be: Backend, model: nn.Module, loss_fn: Callable[..., torch.T
                 loss = loss_fn(net(x), y)
             loss.backward()
             opt.step()
+        step.model, step.optimizer = net, opt  # type: ignore[attr-defined]  # what the ledger classifies
         return step
 
     return {

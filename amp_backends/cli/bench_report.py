@@ -23,7 +23,7 @@ def render(result: dict[str, Any]) -> str:
             table_rows.append([r["model"], r["mode"], "-", "n/a", "", "", "", "", "", r.get("unavailable") or ""])
             continue
         low, high = r["speedup_vs_fp32_iqr"]
-        overhead = r.get("overhead_vs_torch", r.get("overhead_vs_torchao"))
+        overhead = r.get("overhead_vs_torch", r.get("overhead_vs_torchao", r.get("vs_amp")))
         overhead = f"{overhead:.3f}" if overhead is not None else ""
         native = "yes" if r["native"] else f"no ({r['rounds']} rounds)"
         table_rows.append([
@@ -34,7 +34,7 @@ def render(result: dict[str, Any]) -> str:
         ])
     table = render_table(
         ["model", "mode", "native", "step ms", "vs fp32 [IQR]", "vs best full", "peak MiB", "saving",
-         "vs torch / torchao", "verdict"],
+         "vs torch / torchao / amp", "verdict"],
         table_rows, markdown=True, right=(3, 4, 5, 6, 7, 8))
     sizes = ", ".join(f"{m} batch {n['batch']} x {n['input']}" for m, n in result["models"].items())
     advice = []

@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--scale", type=float, default=1.0, help="batch-size factor, in (0, 8]")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", metavar="PNG", help="also draw the table (needs matplotlib)")
+    bench.add_argument("--memory", action="store_true",
+                       help="instead of timing: the training memory of each model and mode by part (parameters, "
+                            "gradients, optimizer, masters, weight copies, activations), counted at --size (default "
+                            "full) without arithmetic on a CPU, and each mode's loss after --loss-steps steps")
+    bench.add_argument("--loss-steps", type=int, default=200,
+                       help="with --memory: training steps (small size) before the loss is read; 0: no loss")
 
     check = sub.add_parser("check", help="what AMP will do to a model: precision per layer, shapes, fp16 range")
     check.add_argument("target", metavar="MODULE:FACTORY",
@@ -167,6 +173,13 @@ def _run(args: argparse.Namespace) -> int:
             raise CLIError(f"--scale must be in (0, 8], got {args.scale:g}")
         if args.plot is not None:
             _check_plot_path(args.plot)
+        if args.loss_steps < 0:
+            raise CLIError(f"--loss-steps must be >= 0, got {args.loss_steps}")
+        if args.memory:
+            from .bench_memory import main as memory_main
+
+            size = "full" if args.size == "auto" else args.size
+            return memory_main(args.backend, list(dict.fromkeys(models)), size, args.scale, args.loss_steps, args.json)
         from .bench import main as bench_main
 
         return bench_main(args.backend, list(dict.fromkeys(models)), args.size, args.rounds, args.warmup, args.scale,

@@ -288,8 +288,8 @@ def warn_if_emulated(device: Device, dtype: torch.dtype, enabled: bool = True) -
     name = dtype_name(dtype)
     warnings.warn(
         f"{name} autocast on {device.name} is emulated: {device.emulation_reason(dtype)}. Matrix math in "
-        f"{name} will run slower than float32 here (often many times slower); activation memory is still "
-        f"about halved. To train faster, use float32 (autocast(enabled=False), `amp-backends demo --no-amp`) "
+        f"{name} will run slower than float32 here (often many times slower); what it saves in memory depends on the "
+        f"model (`amp-backends bench --memory` counts it). To train faster, use float32 (autocast(enabled=False), `amp-backends demo --no-amp`) "
         f"or a dtype this device runs natively ({', '.join(map(dtype_name, device.native_dtypes())) or 'none'}). "
         "Silence with warnings.filterwarnings('ignore', category=amp_backends.PerformanceWarning).",
         PerformanceWarning,

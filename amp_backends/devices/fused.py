@@ -78,7 +78,11 @@ def kernel_of(device: Device, optimizer: torch.optim.Optimizer) -> FusedKernel:
     """What ``optimizer``'s fused kernel does on ``device``: as the device declares it
     (:attr:`~.contract.Device.fused_found_inf`), else probed once on the device (cached per class and
     defaults). An optimizer whose ``step`` takes ``grad_scaler=`` (torch_mlu's FusedLAMBAMP) checks
-    found_inf itself."""
+    found_inf itself; one whose class says what its step does (``amp_found_inf``, a status: a wrapper
+    whose step is Python, as amp_backends' master-weight optimizer) is taken at its word."""
+    own = getattr(type(optimizer), "amp_found_inf", None)
+    if own is not None:
+        return FusedKernel(own, f"{type(optimizer).__name__} says its step {own} found_inf")
     if not device.fused_steps_honour_found_inf:
         return FusedKernel(IGNORES, f"backend {device.name!r}: fused_steps_honour_found_inf = False")
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:

@@ -118,7 +118,9 @@ def unscale(scaler: Scaling, optimizer: torch.optim.Optimizer, with_norm: bool =
             funcname: str = "unscale_") -> tuple[FlatGrads | None, torch.Tensor | None]:
     """torch's ``unscale_`` on the device's op (1/scale in float32 where it has no float64), found_inf
     recorded. Returns the arena whose buffers were unscaled (None: the per-tensor path) and, with
-    ``with_norm``, the fp32 sum of squares of the unscaled gradients from the same pass."""
+    ``with_norm``, the fp32 sum of squares of the unscaled gradients from the same pass. float16
+    parameters' gradients are refused, as torch refuses them, unless the optimizer updates float32 masters
+    of them (``amp_master_weights``)."""
     scale = scale_of(scaler, funcname)
     record = Record(scaler, optimizer)
     if record.stage is OptState.UNSCALED:
@@ -127,7 +129,8 @@ def unscale(scaler: Scaling, optimizer: torch.optim.Optimizer, with_norm: bool =
         raise RuntimeError("unscale_() is being called after step().")
     found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
     norm_sq = torch.zeros((), dtype=torch.float32, device=scale.device) if with_norm else None
-    found, arena = scaler._grads.run(optimizer, scale, found_inf, False, norm_sq, _known_normal(scaler))
+    masters = bool(getattr(optimizer, "amp_master_weights", False))
+    found, arena = scaler._grads.run(optimizer, scale, found_inf, masters, norm_sq, _known_normal(scaler))
     record.unscaled(found)
     return arena, norm_sq
 

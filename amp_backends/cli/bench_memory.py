@@ -1,0 +1,219 @@
+"""``amp-backends bench --memory``: the training memory of each model and mode, counted, and what each
+mode does to the loss.
+
+The ledger (:mod:`amp_backends.memory.ledger`) of a training step of each bench model at its full size
+and real batch size, per mode: float32, AMP in each autocast dtype, and memory-lean AMP
+(:func:`amp_backends.memory_lean`: bfloat16 weights with float32 masters, low-precision saves, the LM
+head in blocks of rows; ``lean-bf16-sr``: bfloat16 weights and moments rounded stochastically by
+torchao's AdamW, no masters). On a CPU the steps run on fake tensors: every storage counted, no
+arithmetic, a few seconds per model and mode (the loss scaler's skip decision, a host read, cannot be
+made there: the step is counted as one that runs). On an accelerator they run for real on the device, and
+the allocator's peak is reported beside the ledger's. The loss after a few hundred steps of each mode
+on the bench's data (small size, real arithmetic) is reported beside the memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.util
+import json
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..backend import Backend, get
+from ..console import render_table
+from ..errors import PerformanceWarning
+from ..memory.fake import Setup, measure, on_meta_then_fake
+from ..memory.lean import memory_lean
+from ..memory.ledger import PARTS, Ledger
+from .bench_models import MODELS
+
+__all__ = ["LEAN_HEADS", "ledger_modes", "loss_after", "main", "memory_rows", "render_memory", "setup_for"]
+
+#: The LM head of a bench model, where it has one (its logits are the largest tensors of the step).
+LEAN_HEADS = {"gpt2-small": "head"}
+
+
+def _sr_unavailable() -> str | None:
+    if importlib.util.find_spec("torchao") is None:
+        return "needs torchao's optimizers (pip install 'amp-backends[fp8]')"
+    try:
+        from torchao.optim import _AdamW  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - an import that fails is the reason
+        return f"torchao's AdamW cannot be imported: {type(exc).__name__}: {exc}"
+    return None
+
+
+def ledger_modes(be: Backend) -> list[tuple[str, str | None]]:
+    """(mode, why it cannot run here or None): fp32, amp-<dtype> for each autocast dtype, lean-bf16
+    and lean-bf16-sr where the backend runs bf16."""
+    modes: list[tuple[str, str | None]] = [("fp32", None)]
+    modes += [(f"amp-{str(d).replace('torch.', '')}", None) for d in (torch.float16, torch.bfloat16)
+              if d in be.supported_dtypes()]
+    if torch.bfloat16 in be.supported_dtypes():
+        modes += [("lean-bf16", None), ("lean-bf16-sr", _sr_unavailable())]
+    return modes
+
+
+@contextlib.contextmanager
+def _eager_torchao() -> Iterator[None]:
+    """torchao's optimizers compile their update; counted on fake tensors it runs eagerly (its
+    temporaries an upper bound of the compiled step's; the optimizer's phase is not where the peak is)."""
+    saved = torch.compile
+    torch.compile = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = saved  # type: ignore[assignment]
+
+
+def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *, fake: bool,
+              lr: float = 1e-5) -> Callable[[], Setup]:
+    """The training step of bench model ``name`` in ``mode``, as :func:`~amp_backends.memory.fake.measure`
+    counts it (``fake``: the model built on the meta device, then made fake)."""
+    spec = MODELS[name]
+    device = torch.device("cpu") if fake else be.device()
+
+    def make() -> Setup:
+        torch.manual_seed(0)
+        model = on_meta_then_fake(lambda: spec.build(size)) if fake else spec.build(size).to(device)
+        x, y = spec.batch(size, device, batch)
+        dtype = torch.float16 if mode == "amp-float16" else torch.bfloat16
+        master: Callable[[], list[torch.Tensor]] = list
+        if mode == "lean-bf16-sr":
+            from torchao.optim import _AdamW
+
+            opt: Any = _AdamW(model.parameters(), lr=lr, bf16_stochastic_round=True)
+            opt = memory_lean(model, opt, backend=be, weights=torch.bfloat16, master=False,
+                              lm_head=LEAN_HEADS.get(name)).optimizer
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=lr)
+            if mode == "lean-bf16":
+                lean = memory_lean(model, opt, backend=be, weights=torch.bfloat16, lm_head=LEAN_HEADS.get(name))
+                opt, master = lean.optimizer, (lambda: list(lean._masters.values()))
+        # a fake step cannot make the scaler's decision (a host read of found_inf): it is counted as a step
+        # that runs; the scaler's own tensors are a few bytes, its unscale works in place
+        scaler = be.grad_scaler(dtype) if mode != "fp32" and not fake else None
+
+        def step(ledger: Ledger) -> None:
+            opt.zero_grad(set_to_none=True)
+            with ledger.phase("forward"), be.autocast(dtype, enabled=mode != "fp32"):
+                loss = spec.loss(model(x), y)
+            with ledger.phase("backward"):
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            with ledger.phase("optimizer"):
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+
+        return Setup(model, opt, step, inputs=(x, y), master=master)
+
+    return make
+
+
+def memory_rows(be: Backend, models: Sequence[str], size: str = "full", scale: float = 1.0,
+                modes: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """One row per model and mode (``modes``: a subset of :func:`ledger_modes`'s; fp32 always runs): the
+    ledger's parts at the peak, the peak, its saving against fp32; on an accelerator also the allocator's peak."""
+    fake = be.device_type == "cpu"
+    rows: list[dict[str, Any]] = []
+    for name in models:
+        spec = MODELS[name]
+        batch = max(1, round(spec.batch_sizes[size] * scale))
+        fp32_peak = None
+        for mode, why_not in ledger_modes(be):
+            if modes is not None and mode != "fp32" and mode not in modes:
+                continue
+            row: dict[str, Any] = {"model": name, "mode": mode, "size": size, "batch": batch, "input": spec.shapes[size],
+                                   "counted": "fake tensors (no arithmetic)" if fake else f"real step on {be.name}"}
+            if why_not is not None:
+                rows.append({**row, "memory": None, "saving_vs_fp32": None, "unavailable": why_not})
+                continue
+            allocator = None
+            if not fake:
+                be.synchronize()
+                be.reset_peak_memory_stats()
+            with _eager_torchao() if mode.endswith("-sr") and fake else contextlib.nullcontext():
+                report = measure(setup_for(be, name, size, batch, mode, fake=fake), fake=fake)
+            if not fake:
+                be.synchronize()
+                allocator = be.max_memory_allocated()
+            fp32_peak = report.peak if mode == "fp32" else fp32_peak
+            memory = {k: report.parts[k] for k in PARTS if k != "other"}
+            memory.update(other=report.parts["other"], peak=report.peak,
+                          activations_by_dtype=report.activations_by_dtype, peak_phase=report.phase)
+            if allocator is not None:
+                memory["allocator_peak"] = allocator
+            row.update(memory=memory, saving_vs_fp32=(1 - report.peak / fp32_peak) if fp32_peak else None)
+            rows.append(row)
+    return rows
+
+
+def loss_after(be: Backend, name: str, mode: str, steps: int, lr: float = 1e-3) -> float:
+    """The loss after ``steps`` steps of bench model ``name`` (small size, real arithmetic) in ``mode``."""
+    spec = MODELS[name]
+    ctx = _eager_torchao() if mode.endswith("-sr") and be.device_type == "cpu" else contextlib.nullcontext()
+    with ctx:
+        setup = setup_for(be, name, "small", None, mode, fake=False, lr=lr)()
+        ledger = Ledger()  # its phases only: nothing is counted outside its dispatch mode
+        for _ in range(steps):
+            setup.step(ledger)
+        with torch.no_grad(), be.autocast(torch.bfloat16, enabled=mode != "fp32"):
+            x, y = setup.inputs
+            return float(spec.loss(setup.model(x), y).float())
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f}"
+
+
+def render_memory(result: dict[str, Any]) -> str:
+    """The ledger table, and each mode's loss beside it."""
+    rows = []
+    for r in result["rows"]:
+        m = r["memory"]
+        if m is None:
+            rows.append([r["model"], r["mode"], *[""] * 9, f"n/a: {r['unavailable']}"])
+            continue
+        low = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(m["activations_by_dtype"].items()))
+        loss = r.get("loss")
+        rows.append([r["model"], r["mode"], _mib(m["peak"]), "" if r["mode"] == "fp32" else f"{-100 * r['saving_vs_fp32']:+.1f}%",
+                     _mib(m["parameters"]), _mib(m["gradients"]), _mib(m["optimizer"]), _mib(m["master"]),
+                     _mib(m["weight_copies"]), f"{_mib(m['activations'])} ({low})" if low else _mib(m["activations"]),
+                     _mib(m["other"]) + (f"; loss {loss:.4g}" if loss is not None else "")])
+    table = render_table(["model", "mode", "peak MiB", "vs fp32", "params", "grads", "optimizer", "masters",
+                          "weight copies", "activations (by dtype)", "other; loss"], rows, markdown=True,
+                         right=(2, 3, 4, 5, 6, 7, 8))
+    sizes = ", ".join(dict.fromkeys(f"{r['model']} batch {r['batch']} x {r['input']}" for r in result["rows"]))
+    loss = (f"loss after {result['loss_steps']} AdamW steps (lr {result['loss_lr']:g}) at small size on the bench's data"
+            if result["loss_steps"] else "no loss measured (--loss-steps 0)")
+    return "\n".join([
+        f"amp-backends bench --memory: backend {result['backend']}, torch {result['torch']}, {result['date']}",
+        f"{result['size']} size: {sizes}; counted: {result['counted']}; MiB at the step's peak, by part",
+        f"{loss}",
+        "",
+        table,
+    ])
+
+
+def main(backend: str | None, models: Sequence[str], size: str, scale: float, loss_steps: int, as_json: bool,
+         loss_lr: float = 1e-4) -> int:
+    """``amp-backends bench --memory`` (the CLI has checked the arguments)."""
+    be = get(backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerformanceWarning)
+        rows = memory_rows(be, models, size, scale)
+        if loss_steps:
+            for row in rows:
+                if row["memory"] is not None:
+                    row["loss"] = loss_after(be, row["model"], row["mode"], loss_steps, loss_lr)
+    result = {"backend": be.name, "torch": torch.__version__, "date": datetime.date.today().isoformat(), "size": size,
+              "counted": rows[0]["counted"] if rows else "", "loss_steps": loss_steps, "loss_lr": loss_lr, "rows": rows}
+    print(json.dumps(result, indent=2) if as_json else render_memory(result))
+    return 0
