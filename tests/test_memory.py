@@ -98,12 +98,15 @@ def test_the_ledger_peak_is_the_allocators_and_its_parts_the_tensors_counted_dir
 def _saved_storages(root) -> dict[int, tuple[int, torch.dtype]]:
     """Every tensor the autograd graph under ``root`` saved (its nodes' ``_saved_*`` attributes), by storage."""
     found: dict[int, tuple[int, torch.dtype]] = {}
-    seen, stack = set(), [root.grad_fn]
+    # the nodes seen are kept alive: an older torch makes a new Python object for a node on each access, and
+    # a freed one's id may come back for another node
+    seen: dict[int, object] = {}
+    stack = [root.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         for name in dir(node):
             if name.startswith("_saved_"):
                 value = getattr(node, name)

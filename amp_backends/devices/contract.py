@@ -19,6 +19,8 @@ import torch
 
 from ..errors import PerformanceWarning, UnsupportedDtypeError
 from . import accelerator
+from . import autocast_lists as autocast_lists_
+from .autocast_lists import AutocastLists
 
 __all__ = ["FP8_RECIPES", "Device", "dtype_name"]
 
@@ -73,7 +75,11 @@ class Device:
     global_overflow_status: bool = False
 
     # -- autocast, fused optimizers, checkpoints -------------------------------------------
-    #: Ops that must run in float32 under this device's autocast beyond torch's lists (names from
+    #: What the device's autocast does with each op (:mod:`amp_backends.devices.autocast_lists`):
+    #: torch's CUDA lists unless declared (torch_mlu and torch_musa reuse them). The precision policy
+    #: runs the modules of banned ops in float32; the inspector labels ops from these lists.
+    autocast_lists: AutocastLists = autocast_lists_.CUDA
+    #: Ops that must run in float32 under this device's autocast beyond its lists' bans (names from
     #: :data:`amp_backends.precision.OP_MODULES`, e.g. ``"binary_cross_entropy"``): a precision
     #: policy built with this backend runs the modules calling them in float32.
     fp32_ops: tuple[str, ...] = ()

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..precision.fp8 import engine as fp8
 from ..backend import Backend
+from ..devices.autocast_lists import MODULE_OPS
 from ..errors import AmpBackendsError
 from ..tracing.isolation import call_args, untouched
 from ..tracing.opcount import NonFinite, Op, OpRecorder
@@ -309,7 +310,9 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
         elif isinstance(module, nn.Linear):
             row.fp8 = fp8.eligibility(module) or "eligible"
         if not row.fp8_flops:
-            row.fp32_reason = _fp32_reason(name, module, row, forward, run.outputs.inputs.get(name), policed)
+            row.fp32_reason = _fp32_reason(name, row, forward, run.outputs.inputs.get(name), policed,
+                                           be.autocast_lists.module_policy(module),
+                                           isinstance(module, tuple(MODULE_OPS)))
         own = [p for p in module.parameters(recurse=False) if id(p) in index]
         row.params_over = sum(_over(p) for p in module.parameters(recurse=False))
         row.outputs_over = run.outputs.over.get(name, 0)
@@ -376,22 +379,21 @@ def _dtypes(ops: list[Op]) -> str:
     return "/".join(sorted({str(o.dtype).replace("torch.", "") for o in ops}))
 
 
-def _fp32_reason(name: str, module: nn.Module, row: ModuleRow, forward: list[Op], input_dtype: str | None,
-                 policed: set[str]) -> str | None:
+def _fp32_reason(name: str, row: ModuleRow, forward: list[Op], input_dtype: str | None, policed: set[str],
+                 policy: str | None, listed: bool) -> str | None:
+    """Why a module stayed in float32: a policy; its op in the device's float32 list (``policy``, from the
+    backend's :attr:`~amp_backends.devices.contract.Device.autocast_lists`); or a float32 input (for a module
+    with matmuls, or one whose op the lists of some device place: ``listed``)."""
+    fp32_op = policy == "fp32"
     if name in policed:
         return "precision policy"
     if forward and row.low_flops == 0:
-        return "float32 input" if input_dtype == "float32" and not isinstance(module, _FP32_BY_AUTOCAST) \
-            else "autocast: float32 op"
-    if not forward and isinstance(module, _FP32_BY_AUTOCAST) and row.output_dtype == "float32":
-        return "autocast: float32 op" if input_dtype in ("float16", "bfloat16") else "float32 input"
+        return "float32 input" if input_dtype == "float32" and not fp32_op else "autocast: float32 op"
+    if not forward and listed and row.output_dtype == "float32":
+        if fp32_op and input_dtype in ("float16", "bfloat16"):
+            return "autocast: float32 op"
+        if input_dtype == "float32":
+            return "float32 input"
     return None
-
-
-#: Modules whose op autocast runs in float32 whatever the dtype (torch's fp32 lists).
-_FP32_BY_AUTOCAST: tuple[type, ...] = (
-    nn.LayerNorm, nn.GroupNorm, nn.Softmax, nn.LogSoftmax, nn.CrossEntropyLoss, nn.NLLLoss, nn.MSELoss,
-    nn.L1Loss, nn.SmoothL1Loss, nn.KLDivLoss, nn.BCEWithLogitsLoss,
-)
 
 

@@ -165,12 +165,15 @@ def _backend_ops(backend: Any) -> list[tuple[str, tuple[type, ...]]]:
         warnings.warn(f"precision_policy: the modules it selects run with autocast off, but {note}",
                       RuntimeWarning, stacklevel=3)
     ops = be.fp32_ops
+    declared = (ops,) if isinstance(ops, str) else tuple(ops or ())
     extra = []
-    for op in ((ops,) if isinstance(ops, str) else tuple(ops or ())):
+    for op in declared:
         if op not in OP_MODULES:
             raise ValueError(f"backend {be.name!r} declares fp32 op {op!r}, which no module is known to run; "
                              f"known: {', '.join(sorted(OP_MODULES))}")
         extra.append((f"backend {be.name!r}: {op} in float32", OP_MODULES[op]))
+    for op in sorted(be.autocast_lists.banned & OP_MODULES.keys() - set(declared)):
+        extra.append((f"backend {be.name!r}: its autocast refuses {op}; run in float32", OP_MODULES[op]))
     return extra
 
 

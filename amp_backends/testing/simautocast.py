@@ -9,37 +9,17 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from ..devices.autocast_lists import CUDA
+
 __all__ = ["FP32_OPS", "LOWER_PRECISION_OPS", "PROMOTE_OPS", "register_autocast"]
 
-#: Ops that run in the autocast dtype (CUDA's lower_precision_fp list, at ATen level: torch's
-#: ``aten/src/ATen/autocast_mode.h`` ``AT_FORALL_LOWER_PRECISION_FP``, which the vendors'
-#: ``autocast_mode.cpp`` files reuse; RNN cells included).
-LOWER_PRECISION_OPS = (
-    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
-    "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
-    "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
-    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
-    "scaled_dot_product_attention",
-)
-#: Ops that run in float32 under autocast (``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE``;
-#: ``rms_norm``, in current torch's list, is not simulated).
-FP32_OPS = (
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-    "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm",
-    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
-    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
-    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
-    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
-    "softmax", "log_softmax", "cumsum", "cumprod", "prod", "sum", "cross_entropy_loss",
-    "linalg_vector_norm", "linalg_matrix_norm", "upsample_nearest1d", "_upsample_nearest_exact1d",
-    "upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
-    "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_trilinear3d",
-    "upsample_bicubic2d", "_upsample_bicubic2d_aa",
-)
-#: Ops that run in the widest floating dtype among their inputs (``AT_FORALL_PROMOTE``, plus the
-#: ``cat``/``stack`` that torch's lists handle the same way).
-PROMOTE_OPS = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler", "index_put",
-               "scatter_add", "tensordot", "cat", "stack")
+#: CUDA's lists (:data:`amp_backends.devices.autocast_lists.CUDA`, torch's macros, which the vendors'
+#: ``autocast_mode.cpp`` files reuse): the ops run in the autocast dtype, in float32, in the widest
+#: input dtype.
+LOWER_PRECISION_OPS = tuple(sorted(CUDA.lower))
+FP32_OPS = tuple(sorted(CUDA.fp32))
+PROMOTE_OPS = tuple(sorted(CUDA.promote))
+
 
 def _autocast_kernel(cast: str, op_name: str) -> Any:
     key = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)

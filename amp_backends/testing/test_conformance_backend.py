@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -10,9 +11,6 @@ import torch.nn.functional as F
 
 import amp_backends
 from amp_backends.testing import grad_op_
-
-# Devices whose autocast follows CUDA's lists (softmax, layer_norm in fp32, too).
-CUDA_LIKE = {"cuda", "mlu", "xpu", "hpu"}
 
 
 def test_availability_and_reason(backend):
@@ -59,19 +57,43 @@ def test_autocast_lowers_matmul_linear_conv(backend):
             assert conv(img).dtype == dtype
 
 
-def test_autocast_keeps_fp32_ops_in_fp32(backend):
+def _module_cases(dev: torch.device) -> list[tuple[torch.nn.Module, tuple]]:
+    """Modules whose op the device's lists place, each with inputs; ``None`` stands for the low-precision
+    activation (a matmul's output under autocast)."""
+    target = torch.zeros(4, dtype=torch.long, device=dev)
+    return [
+        (torch.nn.Linear(8, 8, device=dev), (None,)), (torch.nn.LayerNorm(8, device=dev), (None,)),
+        (torch.nn.GroupNorm(2, 8, device=dev), (None,)), (torch.nn.BatchNorm1d(8, device=dev), (None,)), (torch.nn.Softmax(-1), (None,)), (torch.nn.LogSoftmax(-1), (None,)),
+        (torch.nn.MSELoss(), (None, torch.randn(4, 8, device=dev))), (torch.nn.CrossEntropyLoss(), (None, target)),
+        (torch.nn.BCELoss(), ("probabilities", torch.rand(4, 8, device=dev))),
+        (torch.nn.BCEWithLogitsLoss(), (None, torch.rand(4, 8, device=dev))),
+    ]
+
+
+def test_autocast_follows_the_device_lists(backend):
+    """Each module runs as the backend's declared lists say (``Device.autocast_lists``): float32 ops
+    give float32, lowered ops the autocast dtype, banned ops raise, the rest keep their input's dtype."""
     dev = backend.device()
+    lists = backend.autocast_lists
     x = torch.randn(4, 8, device=dev)
     w = torch.randn(8, 8, device=dev)
-    target = torch.zeros(4, dtype=torch.long, device=dev)
     for dtype in _low_dtypes(backend):
-        with backend.autocast(dtype):
-            low = x @ w
-            assert F.mse_loss(low, x).dtype == torch.float32
-            assert F.cross_entropy(low, target).dtype == torch.float32
-            if backend.device_type in CUDA_LIKE:
-                assert F.softmax(low, -1).dtype == torch.float32
-                assert F.layer_norm(low, (8,)).dtype == torch.float32
+        for (module, args), given in itertools.product(_module_cases(dev), ("low", "float32")):
+            policy = lists.module_policy(module)
+            with backend.autocast(dtype):
+                low = x @ w
+                assert low.dtype == dtype
+                act = low if given == "low" else x
+                inputs = [act if a is None else act.sigmoid() if a == "probabilities" else a for a in args]
+                if policy == "banned":
+                    with pytest.raises(RuntimeError):
+                        module(*inputs)
+                    continue
+                out = module(*inputs)
+            expected = {"fp32": torch.float32, "lower": dtype}.get(policy, act.dtype)
+            assert out.dtype == expected, (
+                f"{type(module).__name__} on a {given} input under {backend.name}'s {dtype} autocast gave "
+                f"{out.dtype}; the declared lists ({lists.source}) say {policy or 'its input dtype'}")
 
 
 def test_autocast_nesting_disable_and_decorator(backend):

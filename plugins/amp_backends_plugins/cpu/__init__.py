@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import HONOURS
 from amp_backends.devices.hardware import cpu_native_dtypes, cpu_summary, missing_cpu_features
 
@@ -21,6 +22,9 @@ class CPUBackend(Backend):
     default_dtype = torch.bfloat16
     dist_backend = "gloo"
     priority = 0
+    #: torch's CPU lists (aten/src/ATen/autocast_mode.cpp, CPU block): norms and softmax in their input's
+    #: dtype, binary_cross_entropy in float32 (not banned)
+    autocast_lists = autocast_lists.CPU
     #: torch's CPU kernels (aten/src/ATen/native/FusedAdam.cpp, FusedSGD.cpp, FusedAdagrad.cpp) return
     #: when found_inf is 1 and divide each gradient by grad_scale (cpu/FusedAdamKernel.cpp,
     #: cpu/FusedSGDKernel.cpp, cpu/FusedAdagradKernel.cpp ``adagrad_math``); fused Adagrad on the CPU

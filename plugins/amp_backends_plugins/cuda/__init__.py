@@ -13,6 +13,7 @@ import os
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import HONOURS
 
 
@@ -28,8 +29,9 @@ class CUDABackend(Backend):
     #: double and half only: bf16 gradients go through a float32 copy unless the kernel (Triton)
     #: handles them itself.
     unscale_dtypes = (torch.float32, torch.float16, torch.float64)
-    #: CUDA's autocast bans binary_cross_entropy (aten/src/ATen/autocast_mode.cpp): a policy runs nn.BCELoss in float32
-    fp32_ops = ("binary_cross_entropy",)
+    #: torch's CUDA lists (aten/src/ATen/autocast_mode.cpp), which ban binary_cross_entropy: a policy runs
+    #: nn.BCELoss in float32
+    autocast_lists = autocast_lists.CUDA
 
     @property  # type: ignore[override]
     def fused_found_inf(self) -> dict[str, tuple[str, str]]:

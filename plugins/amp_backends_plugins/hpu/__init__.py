@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from amp_backends import hookimpl
+from amp_backends.devices import autocast_lists
 from amp_backends.extension import ExtensionBackend
 
 __all__ = ["HPUBackend"]
@@ -41,6 +42,15 @@ class HPUBackend(ExtensionBackend):
     install_hint = "install the Intel Gaudi software stack (habana-torch-plugin, matching this torch)"
     visible_devices = ("HABANA_VISIBLE_MODULES", "HABANA_VISIBLE_DEVICES")
     device_tool = "hl-smi"
+
+    @property  # type: ignore[override]
+    def autocast_lists(self) -> autocast_lists.AutocastLists:
+        """The Gaudi bridge's lists (``hpu_ops/autocast_helpers.h``: norms, softmax and dropout in bf16;
+        losses in float32; binary_cross_entropy not banned), or the files
+        ``PT_HPU_AUTOCAST_LOWER_PRECISION_OPS_LIST`` / ``PT_HPU_AUTOCAST_FP32_OPS_LIST`` name, which
+        replace them. The bridge reads the variables once, when it loads: set them before importing
+        ``habana_frameworks.torch``."""
+        return autocast_lists.gaudi()
 
     def _generation(self, module: Any) -> str | None:
         """"GAUDI", "GAUDI2", "GAUDI3" as the stack names the device; None where it cannot say."""

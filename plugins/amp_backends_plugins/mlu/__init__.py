@@ -15,6 +15,7 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
+from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import ABSENT, HONOURS
 
 #: torch_mlu r2.4 ``csrc/aten/MLUFallback.cpp`` ``getFallbackEnabledEnvVar``: the CPU fallback for ops
@@ -42,9 +43,9 @@ class MLUBackend(ExtensionBackend):
     # MLU_VISIBLE_DEVICES, else CUDA_VISIBLE_DEVICES
     visible_devices = ("CN_VISIBLE_DEVICES", "MLU_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
     device_tool = "cnmon"
-    # csrc/aten/autocast_mode.cpp bans binary_cross_entropy under autocast (it raises): a
-    # precision policy built with this backend runs nn.BCELoss in float32 instead
-    fp32_ops = ("binary_cross_entropy",)
+    #: csrc/aten/autocast_mode.cpp registers torch's macros (CUDA's lists, with norm in float32) and bans
+    #: binary_cross_entropy (it raises): a precision policy runs nn.BCELoss in float32 instead
+    autocast_lists = autocast_lists.CUDA.changed("torch_mlu r2.4 csrc/aten/autocast_mode.cpp (torch's macros)")
     # torch_mlu's unscale kernel (csrc/aten/operators/bang/amp_unscale.cpp) takes float32 and
     # float16 gradients only, and at most INT32_MAX elements per tensor: bf16 gradients (MLU590)
     # and larger tensors are routed around it by the core.

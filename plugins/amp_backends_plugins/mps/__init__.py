@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.devices import autocast_lists
 from amp_backends.devices.accelerator import autocast_dtypes
 from amp_backends.errors import UnsupportedDtypeError
 
@@ -58,6 +59,9 @@ class MPSBackend(Backend):
     dist_backend = ""  # no collective library for mps tensors: train on one GPU
     priority = 100
     has_fp64 = False  # Metal has no float64: the scaler computes 1/scale in float32
+    #: torch's hand-written MPS lists (aten/src/ATen/autocast_mode.cpp, MPS block): batch_norm in float32,
+    #: nothing banned
+    autocast_lists = autocast_lists.MPS
 
     def __init__(self) -> None:
         self._probed: dict[str, Any] = {}

@@ -16,6 +16,7 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
+from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import ABSENT, HONOURS, REFUSED
 
 #: torch_musa's ``_scaled_mm`` (``csrc/aten/ops/Matmul.cpp`` ``ScaledMatmulOut``) refuses a device below
@@ -37,8 +38,8 @@ class MUSABackend(ExtensionBackend):
     visible_devices = ("MUSA_VISIBLE_DEVICES",)
     device_tool = "mthreads-gmi"
     unscale_dtypes = (torch.float32, torch.float16, torch.float64)
-    #: torch_musa's autocast is CUDA's, which bans binary_cross_entropy
-    fp32_ops = ("binary_cross_entropy",)
+    #: torch_musa's autocast registers torch's macros and bans binary_cross_entropy (csrc/amp/autocast_mode.cpp)
+    autocast_lists = autocast_lists.CUDA.changed("torch_musa 2.7.1 csrc/amp/autocast_mode.cpp (torch's macros)")
     #: Read from torch_musa 2.7.1's source (not run on MUSA hardware): it refuses torch's fused Adam and
     #: AdamW with a TORCH_CHECK (csrc/aten/ops/FusedAdam.cpp); its _fused_sgd_ kernel returns when
     #: found_inf is 1 and divides by grad_scale (csrc/aten/ops/musa/FusedSgdKernel.mu); it registers no

@@ -30,6 +30,7 @@ import torch
 
 from amp_backends import hookimpl
 from amp_backends.extension import ExtensionBackend
+from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import ABSENT, HONOURS, IGNORES, SCALE_BLIND
 
 #: ``c10_npu::SocVersion`` (torch_npu ``csrc/core/npu/NpuVariables.h``): what
@@ -56,6 +57,16 @@ def _fallback_kernel(op: str, kind: str) -> tuple[str, str]:
                     f"fallback (csrc/framework/utils/CpuFallbackUtils.h): use {kind}(fused=False), or unset it")
 
 
+#: torch_npu's autocast lists (``torch_npu/csrc/aten/AutoCastOps.cpp``), told as their differences from
+#: torch's CUDA lists.
+AUTOCAST = autocast_lists.CUDA.changed(
+    "torch_npu csrc/aten/AutoCastOps.cpp",
+    lower=(autocast_lists.CUDA.lower - {"linalg_vecdot", "cudnn_convolution", "cudnn_convolution_transpose"}),
+    fp32=(autocast_lists.CUDA.fp32 - autocast_lists.UPSAMPLE - {"rms_norm"}),
+    promote=autocast_lists.CUDA.promote - {"vdot"},
+)
+
+
 class NPUBackend(ExtensionBackend):
     """Mixed precision on Ascend NPUs (fp16 by default, bf16 where the chip has it, HCCL)."""
 
@@ -69,8 +80,9 @@ class NPUBackend(ExtensionBackend):
     visible_devices = ("ASCEND_RT_VISIBLE_DEVICES",)
     device_tool = "npu-smi info"
     has_fp64 = False
-    #: torch_npu's autocast bans binary_cross_entropy (csrc/aten/AutoCastOps.cpp), as CUDA's does
-    fp32_ops = ("binary_cross_entropy",)
+    #: torch_npu's own lists (csrc/aten/AutoCastOps.cpp): CUDA's with flash attention lowered, no
+    #: linalg_vecdot or cuDNN convolutions, no upsampling in float32, no vdot promoted; BCE banned
+    autocast_lists = AUTOCAST
     state_dict_dynamic = True  # torch_npu's scaler requires "dynamic" in a checkpoint it loads
     @property  # type: ignore[override]
     def fused_found_inf(self) -> dict[str, tuple[str, str]]:

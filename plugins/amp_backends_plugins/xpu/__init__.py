@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import HONOURS
 
 __all__ = ["XPUBackend"]
@@ -51,6 +52,9 @@ class XPUBackend(Backend):
     device_type = "xpu"
     default_dtype = torch.float16
     priority = 100
+    #: torch's XPU lists (aten/src/ATen/autocast_mode.cpp, XPU block): CUDA's macros without the cuDNN
+    #: convolutions; binary_cross_entropy banned, so a precision policy runs nn.BCELoss in float32
+    autocast_lists = autocast_lists.XPU
 
     def unavailable_reason(self) -> str | None:
         xpu = _module()

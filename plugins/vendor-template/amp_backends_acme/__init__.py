@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 import amp_backends
+from amp_backends.devices import autocast_lists
 
 
 class AcmeBackend(amp_backends.Backend):
@@ -21,6 +22,11 @@ class AcmeBackend(amp_backends.Backend):
     # (cuda, mlu, npu, musa) use 100 and cpu 0. Installed, this template would win over cpu; give a
     # real device 100, and keep a backend that runs on the CPU below 0 so that cpu stays the choice.
     priority = -10
+    # what your autocast does with each op (lowered, float32, promoted, refused): torch's CUDA lists unless
+    # declared; write yours as CUDA's with changes, e.g. autocast_lists.CUDA.changed("torch_acme's
+    # autocast_mode.cpp", fp32=...). The conformance suite runs every module under your autocast against
+    # them. This template's autocast is the CPU's.
+    autocast_lists = autocast_lists.CPU
 
     def unavailable_reason(self) -> str | None:
         # the one availability probe: None where the device can be used, else why not
