@@ -506,3 +506,65 @@ def test_an_lr_scheduler_and_torch_compile_work_with_the_lean_mode():
         losses[compiled] = out
         assert lean.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(3e-5)
     assert losses[True] == losses[False]
+
+
+# -- the ledger per module (check_model) ---------------------------------------------------------------------
+def test_check_model_says_what_each_module_holds_for_backward_counted_by_hand():
+    """Each module's saves after a bf16 forward on the CPU, against the sizes autograd's formulas give for
+    this model (each Linear saves its bf16 input, the second also its weight's copy since its input needs a
+    gradient; GELU its input; LayerNorm, which the CPU's autocast leaves in the input's dtype, its input and
+    two statistics per row); under memory_lean the weights are bf16 and no copy is made."""
+    batch = 32
+    model = _mlp(256)
+    report = amp_backends.check_model(model, torch.randn(batch, 64), "cpu", torch.bfloat16)
+    rows = {r.name: r for r in report.rows}
+    ones = torch.ones(256)  # the statistics' dtype as this torch's kernel makes it (float32 weights, bf16 input)
+    stats = torch.ops.aten.native_layer_norm(torch.zeros(2, 256, dtype=torch.bfloat16), (256,), ones, ones, 1e-5)[1]
+    stat_dtype = str(stats.dtype).replace("torch.", "")
+    expected_ln = {"bfloat16": batch * 256 * 2}
+    expected_ln[stat_dtype] = expected_ln.get(stat_dtype, 0) + 2 * batch * stats.element_size()
+    assert rows["0"].saved == {"bfloat16": batch * 64 * 2} and rows["0"].weight_copies == 0
+    assert rows["1"].saved == {"bfloat16": batch * 256 * 2} and rows["1"].weight_copies == 0
+    assert rows["2"].saved == expected_ln and rows["2"].weight_copies == 0
+    assert rows["3"].saved == {"bfloat16": batch * 256 * 2} and rows["3"].weight_copies == 256 * 10 * 2
+    assert rows["3"].lean_held == batch * 256 * 2, "lean: the weight is bf16 itself, no copy held"
+    assert all(rows[n].lean_held == rows[n].held for n in ("0", "1", "2"))
+    assert report.held == sum(r.held for r in report.rows) and report.weight_copies == 256 * 10 * 2
+    assert report.lean_held == report.held - 256 * 10 * 2
+    assert f"most by 3 ({(batch * 256 * 2 + 256 * 10 * 2) / 1024:.1f} KiB, mostly bfloat16)" in report.summary
+    data = report.to_dict()
+    assert data["held"] == report.held and {r["name"]: r["held"] for r in data["rows"]}["3"] == rows["3"].held
+    assert all(not p.grad_fn and p.dtype == torch.float32 for p in model.parameters()), "the model is untouched"
+
+
+def test_check_model_memory_can_be_skipped_and_says_why_lean_was_not_measured():
+    model = _mlp(32)
+    quiet = amp_backends.check_model(model, torch.randn(4, 64), "cpu", torch.bfloat16, memory=False)
+    assert quiet.held == 0 and quiet.lean_held is None and "held for backward" not in quiet.summary
+
+    class Uncopyable(nn.Sequential):
+        def __deepcopy__(self, memo):
+            raise RuntimeError("holds a live handle")
+
+    report = amp_backends.check_model(Uncopyable(*_mlp(32)), torch.randn(4, 64), "cpu", torch.bfloat16)
+    assert report.held > 0 and report.lean_held is None
+    assert any("could not be copied to measure memory_lean" in n and "holds a live handle" in n for n in report.notes)
+
+
+def test_check_model_reports_a_model_lean_weights_would_break_and_still_counts_it():
+    """A parameter used by an op outside autocast's lists (mv on the CPU) meets a float32 vector: with
+    memory_lean's bf16 weights the forward fails; the report says so, with the plain figures intact."""
+    class Vec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(12, 10))
+
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            return torch.mv(self.w, v).sum()
+
+    model = Vec()
+    before = model.w.detach().clone()
+    report = amp_backends.check_model(model, torch.randn(10), "cpu", torch.bfloat16, loss_fn=lambda out: out)
+    assert report.held > 0 and report.lean_held is None
+    assert any("memory_lean's low-precision weights break this model's forward" in n for n in report.notes)
+    assert model.w.dtype == torch.float32 and torch.equal(model.w, before)

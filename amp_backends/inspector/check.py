@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 from ..precision.fp8 import engine as fp8
 from ..backend import Backend
 from ..devices.autocast_lists import MODULE_OPS
+from ..memory.by_module import ModuleMemory, saved_by_module
 from ..errors import AmpBackendsError
 from ..tracing.isolation import call_args, untouched
 from ..tracing.opcount import NonFinite, Op, OpRecorder
@@ -165,13 +166,16 @@ def check_model(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     loss_scale: float | None = None,
     compare: bool = True,
+    memory: bool = True,
 ) -> ModelReport:
     """Run ``model`` on ``example_inputs`` (a tensor, a tuple of positional arguments, or a mapping of
     keyword arguments, on the backend's device) under the backend's autocast and in float32, and report
     what ran in which precision and what float16 would lose (see the module docstring). ``loss_fn(output)``
     makes the loss (default: the mean of the floating outputs that require grad); ``loss_scale`` is
     the scale the per-module gradient figures are judged at (default 2**16, the scaler's start);
-    ``compare=False`` skips the per-module comparison with float32 (keeps less memory).
+    ``compare=False`` skips the per-module comparison with float32 (keeps less memory); ``memory=False``
+    skips the per-module memory ledger (what each module holds for backward, and under memory_lean:
+    two more forwards, one on a copy of the model).
 
     Nothing of the model changes: buffers, gradients, modes, hooks and the global RNG are as before,
     and no hook or optimizer of the user's sees the check's backward."""
@@ -203,7 +207,31 @@ def check_model(
                 rng.restore()
         run = _low_run(model, args, kwargs, be, low, loss_fn, params, scale,
                        fp8_grads if fp8_grads is not None else ref_grads, compare)
-    return _report(model, be, low, scale, run, ref_outputs, ref_grads, fp8_grads, params, set(fp32_modules(model)))
+        held = None
+        if memory:
+            rng.restore()
+            held = saved_by_module(model, args, kwargs, be, low)
+    report = _report(model, be, low, scale, run, ref_outputs, ref_grads, fp8_grads, params, set(fp32_modules(model)))
+    if held is not None:
+        _add_memory(report, *held)
+    return report
+
+
+def _add_memory(report: ModelReport, held: dict[str, ModuleMemory], why: str | None) -> None:
+    """Each row's saves for backward, and the model's totals (plain and under memory_lean)."""
+    for row in report.rows:
+        mine = held.get(row.name)
+        if mine is not None:
+            row.saved, row.weight_copies, row.lean_held = dict(mine.saved), mine.weight_copies, mine.lean
+    by_dtype: dict[str, int] = defaultdict(int)
+    for mine in held.values():
+        for dtype, nbytes in mine.saved.items():
+            by_dtype[dtype] += nbytes
+    report.saved_by_dtype = dict(by_dtype)
+    report.weight_copies = sum(m.weight_copies for m in held.values())
+    report.lean_held = None if why is not None else sum(m.lean or 0 for m in held.values())
+    if why is not None:
+        report.notes.append(why)
 
 
 def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend, loss_fn: Any,

@@ -62,6 +62,16 @@ class ModuleRow:
     #: cannot run in fp8; None for other modules
     fp8: str | None = None
     fp8_flops: int = 0
+    #: what it holds for backward once the forward is done (its own saves): activations by dtype name,
+    #: autocast's copies of parameters, and the same under memory_lean (None: not measured)
+    saved: dict[str, int] = field(default_factory=dict)
+    weight_copies: int = 0
+    lean_held: int | None = None
+
+    @property
+    def held(self) -> int:
+        """Bytes it holds for backward after the forward (activations and weight copies)."""
+        return sum(self.saved.values()) + self.weight_copies
 
     @property
     def precision(self) -> str:
@@ -112,6 +122,34 @@ class ModelReport:
     #: the module that ran the forward's last matmul-like op (the head, where one exists)
     head: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: held for backward after the forward, over all modules: activations by dtype, autocast's weight
+    #: copies, and the same under memory_lean (None: not measured)
+    saved_by_dtype: dict[str, int] = field(default_factory=dict)
+    weight_copies: int = 0
+    lean_held: int | None = None
+
+    @property
+    def held(self) -> int:
+        """Bytes held for backward after the forward (activations and autocast's weight copies)."""
+        return sum(self.saved_by_dtype.values()) + self.weight_copies
+
+    @property
+    def memory_summary(self) -> str:
+        """Where the saved-for-backward memory is: the total by dtype, the module holding most, and what
+        memory_lean would hold ("" where the ledger was not run)."""
+        if not self.saved_by_dtype and not self.weight_copies:
+            return ""
+        dtypes = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(self.saved_by_dtype.items(), key=lambda kv: -kv[1]))
+        text = f"held for backward after the forward: {_mib(self.held)} ({dtypes or 'no activations'}"
+        text += f"; autocast's weight copies {_mib(self.weight_copies)})" if self.weight_copies else ")"
+        top = max(self.rows, key=lambda r: r.held)
+        if top.held:
+            dtype = max(top.saved.items(), key=lambda kv: kv[1])[0] if top.saved else "weight copies"
+            text += f", most by {_label(top)} ({_mib(top.held)}, mostly {dtype})"
+        if self.lean_held is not None and self.held:
+            text += (f"; memory_lean would hold {_mib(self.lean_held)} "
+                     f"({100.0 * (self.lean_held - self.held) / self.held:+.0f}%)")
+        return text
 
     @property
     def fp32_layers(self) -> list[ModuleRow]:
@@ -172,6 +210,8 @@ class ModelReport:
                              f"outputs, {self.grads_over} in gradients")
         if self.grad_norm == self.grad_norm:  # not NaN
             parts.append(f"gradient norm {self.grad_norm:.4g}")
+        if self.memory_summary:
+            parts.append(self.memory_summary)
         parts += self.notes
         return "; ".join(parts)
 
@@ -182,6 +222,9 @@ class ModelReport:
             value = getattr(self, key)
             out[key] = None if value is None else {**asdict(value), "text": str(value)}
         out["summary"] = self.summary
+        out["held"] = self.held
+        for row, data in zip(self.rows, out["rows"]):
+            data["held"] = row.held
         return out
 
     def table(self) -> str:
@@ -190,21 +233,31 @@ class ModelReport:
 
         shown = [r for r in self.rows if r.compute != "-" or r.backward_compute != "-" or r.fp32_reason
                  or r.misaligned or r.grads_underflow or r.params_over or r.grads_over or r.outputs_over
-                 or r.grads_nonfinite]
+                 or r.grads_nonfinite or r.held]
         rows = [[_label(r), r.type, r.precision, r.backward_compute,
                  f"{(r.flops + r.backward_flops) / 1e6:.2f}", r.fp32_reason or "",
                  "; ".join(r.misaligned[:2]) + (" ..." if len(r.misaligned) > 2 else ""),
                  _count(r.grads_underflow), _count(r.params_over + r.outputs_over + r.grads_over + r.grads_nonfinite),
                  _err(r.output_error), _err(r.grad_error), "" if r.grad_norm is None else f"{r.grad_norm:.3g}",
-                 r.fp8 or ""]
+                 r.fp8 or "", _held(r)]
                 for r in shown]
         head = ["module", "type", "forward", "backward", "MFLOPs", "float32 because", "off fast path",
-                "grad lost", "over 65504 / inf", "out err", "grad err", "grad norm", "fp8"]
+                "grad lost", "over 65504 / inf", "out err", "grad err", "grad norm", "fp8", "held (lean)"]
         return render_table(head, rows)
 
 
 def _label(row: ModuleRow) -> str:
     return row.name or "(model)"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n / 1024:.1f} KiB"
+
+
+def _held(row: ModuleRow) -> str:
+    if not row.held:
+        return ""
+    return _mib(row.held) + ("" if row.lean_held is None else f" ({_mib(row.lean_held)})")
 
 
 def _count(n: int) -> str:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -35,13 +36,16 @@ PARTS = ("parameters", "gradients", "optimizer", "master", "weight_copies", "act
 
 
 class _Record:
-    __slots__ = ("nbytes", "dtype", "op", "born", "died", "from_param", "saved")
+    __slots__ = ("nbytes", "dtype", "op", "born", "died", "from_param", "saved", "made_in", "saved_in")
 
-    def __init__(self, nbytes: int, dtype: torch.dtype, op: str, born: int) -> None:
+    def __init__(self, nbytes: int, dtype: torch.dtype, op: str, born: int, made_in: str) -> None:
         self.nbytes, self.dtype, self.op, self.born = nbytes, dtype, op, born
         self.died: int | None = None
         self.from_param = False
         self.saved = False
+        #: the innermost module running when the storage was made, and when autograd first saved it
+        #: ("" outside any module :meth:`Ledger.modules` watches)
+        self.made_in, self.saved_in = made_in, ""
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class Ledger(TorchDispatchMode):
         self._phase = "setup"
         self._phase_at: list[tuple[int, str]] = []
         self._params: set[int] = set()
+        self._stack: list[str] = []
 
     # -- counting --------------------------------------------------------------------------
     def _record(self, tensor: torch.Tensor, op: str) -> _Record:
@@ -93,7 +98,7 @@ class Ledger(TorchDispatchMode):
         record = self._by_storage.get(storage)
         if record is None:
             self._clock += 1
-            record = _Record(storage.nbytes(), tensor.dtype, op, self._clock)
+            record = _Record(storage.nbytes(), tensor.dtype, op, self._clock, self._stack[-1] if self._stack else "")
             self._records.append(record)
             self._by_storage[storage] = record
             weakref.finalize(storage, self._freed, record)
@@ -136,11 +141,50 @@ class Ledger(TorchDispatchMode):
         def pack(t: torch.Tensor) -> torch.Tensor:
             record = self._by_storage.get(t.untyped_storage())
             if record is not None:
+                if not record.saved:
+                    record.saved_in = self._stack[-1] if self._stack else ""
                 record.saved = True
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
+
+    @contextlib.contextmanager
+    def modules(self, model: nn.Module) -> Iterator[None]:
+        """Attribute what runs inside to ``model``'s modules by qualified name ("" is the model itself):
+        each storage to the innermost one running when it is made and when autograd saves it."""
+        def enter(name: str) -> Any:
+            return lambda *_: self._stack.append(name)
+
+        def leave(*_: Any) -> None:
+            self._stack.pop()
+
+        handles = []
+        try:
+            for name, module in model.named_modules():
+                handles.append(module.register_forward_pre_hook(enter(name)))
+                handles.append(module.register_forward_hook(leave, always_call=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._stack.clear()
+
+    def saved_by_module(self) -> dict[str, dict[str, int]]:
+        """What is alive now of what autograd saved, by the module that saved it: ``{name: {dtype name:
+        bytes}}``; autocast's copies of parameters under ``"weight_copies"`` instead of their dtype. Each
+        storage is counted once, for the first module that saved it; parameters (registered with
+        :meth:`register`) are not counted: they live whether saved or not."""
+        found: dict[str, Counter[str]] = {}
+        for record in self._records:
+            if record.died is not None or not (record.saved or record.from_param) or id(record) in self._params:
+                continue
+            if record.from_param:
+                name, key = record.saved_in or record.made_in, "weight_copies"
+            else:
+                name, key = record.saved_in, str(record.dtype).replace("torch.", "")
+            found.setdefault(name, Counter())[key] += record.nbytes
+        return {name: dict(counts) for name, counts in found.items()}
 
     def restart_peak(self) -> None:
         """Measure the peak from now on (a later step's), counting what is live now."""
