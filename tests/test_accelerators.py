@@ -526,6 +526,8 @@ def test_hpu_declares_fp8_by_gaudi_generation(monkeypatch, fresh_registry, gener
 
 @pytest.mark.filterwarnings("ignore:kernel 'triton'")  # its self-check cannot run on a patched device
 def test_info_shows_fp8_per_backend(monkeypatch, fresh_registry):
+    import amp_backends.cli.info  # a submodule: imported here, not by another test first
+
     _patch_nvidia(monkeypatch, (9, 0), "NVIDIA H100")
     monkeypatch.setattr(amp_backends.cli.info, "_fp8_engine", lambda needed: {"torchao": "0.18.0", "problem": None,
                                                                           "checked": needed})

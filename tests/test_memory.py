@@ -17,7 +17,7 @@ from torch import nn
 
 import amp_backends
 from amp_backends.memory.chunked_loss import LazyLogits, linear_cross_entropy
-from amp_backends.memory.fake import Setup, measure, on_meta_then_fake
+from amp_backends.memory.fake import measure
 from amp_backends.memory.lean import LeanError, memory_lean
 from amp_backends.memory.ledger import Ledger
 from amp_backends.memory.master import MasterWeights

@@ -55,7 +55,6 @@ class MPSBackend(Backend):
 
     name = "mps"
     device_type = "mps"
-    default_dtype = torch.float16
     dist_backend = ""  # no collective library for mps tensors: train on one GPU
     priority = 100
     has_fp64 = False  # Metal has no float64: the scaler computes 1/scale in float32
@@ -98,6 +97,8 @@ class MPSBackend(Backend):
 
     @property
     def default_dtype(self) -> torch.dtype:  # type: ignore[override]
+        """float16 where this torch's mps autocast accepts it (and where no mps device is here), else the
+        first dtype it accepts."""
         accepted = self._accepted() if self.is_available() else ()
         return torch.float16 if not accepted or torch.float16 in accepted else accepted[0]
 

@@ -29,8 +29,6 @@ def is_bf16_supported() -> bool:
 def npu_check_overflow(grad: object) -> bool:
     """In inf/NaN mode, whether ``grad`` (a tensor or a float) holds inf/NaN, from the sum of its
     values; in saturation mode the status register, cleared when it was set."""
-    import torch_npu
-
     from . import clear_npu_overflow_flag, get_npu_overflow_flag
 
     if is_support_inf_nan():
