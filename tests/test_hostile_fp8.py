@@ -430,3 +430,29 @@ def test_fp8_all_gather_keeps_tied_weights_tied():
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(train(True), train(False)))
+
+
+def test_the_inspectors_float32_reference_keeps_a_layers_hooks_and_what_an_fp8_convert_class_adds():
+    """check_model's float32 reference runs each fp8 layer as a plain Linear: with the layer's forward hooks
+    (an adapter added by a hook is in both runs, so the layer's error stays an fp8 error), and a layer an
+    fp8_convert class made (a LoRA adapter of its own) stays in fp8 there, with a note saying so."""
+    x = torch.randn(8, 32)
+    hooked = _with(nn.Linear)
+    policy = precision_policy(hooked, fp32=(), fp8=[nn.Linear], emulate=True)
+    try:
+        hooked[0].register_forward_hook(lambda m, args, out: out + 1000.0)
+        report = amp_backends.check_model(hooked, x, "cpu", torch.bfloat16, memory=False)
+    finally:
+        policy.remove()
+    rows = {r.name: r for r in report.rows}
+    assert rows["0"].output_error is not None and rows["0"].output_error < 0.01, "the hook ran in both runs"
+    assert not any("ran in fp8 in the float32 reference" in n for n in report.notes)
+
+    lora = _with(LoRALinear)
+    policy = precision_policy(lora, fp32=(), fp8=[nn.Linear], emulate=True, fp8_convert={LoRALinear: _lora_to_fp8()})
+    try:
+        report = amp_backends.check_model(lora, x, "cpu", torch.bfloat16, memory=False)
+    finally:
+        policy.remove()
+    assert any("ran in fp8 in the float32 reference too" in n and ": 0;" in n for n in report.notes), report.notes
+    assert isinstance(lora[0], LoRALinear), "the model is as it was"

@@ -197,8 +197,9 @@ def check_model(
     fp16 = low == torch.float16
     with untouched(model, be.device_type) as rng:
         ref_outputs, ref_grads, fp8_grads = None, None, None
+        kept: list[str] = []
         if compare or fp16:  # the float32 reference (fp8 layers as plain Linear layers)
-            with fp8.as_linear(model):
+            with fp8.as_linear(model) as kept:
                 ref_outputs, ref_grads = _reference(model, args, kwargs, be, loss_fn, params, compare)
             rng.restore()
             if fp16 and ref_grads is not None and any(fp8.is_fp8(m) for m in model.modules()):
@@ -214,6 +215,9 @@ def check_model(
     report = _report(model, be, low, scale, run, ref_outputs, ref_grads, fp8_grads, params, set(fp32_modules(model)))
     if held is not None:
         _add_memory(report, *held)
+    if kept:
+        report.notes.append(f"fp8 layers with submodules of their own ran in fp8 in the float32 reference too (a plain "
+                            f"Linear would drop what they add): {', '.join(kept)}; their errors leave out fp8's")
     return report
 
 

@@ -265,21 +265,34 @@ def describe_layer(module: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def as_linear(model: nn.Module) -> Iterator[None]:
+def as_linear(model: nn.Module) -> Iterator[list[str]]:
     """Within the block every fp8 layer of ``model`` is a plain ``nn.Linear`` holding the same
-    parameters (a float32 reference run); afterwards the model holds its fp8 layers again."""
+    parameters and the same hooks (a float32 reference run); afterwards the model holds its fp8 layers
+    again. An fp8 layer that is more than a Linear (a ``fp8_convert`` class with a forward, parameters or
+    submodules of its own, such as a LoRA adapter) stays: a plain Linear would drop what it adds. The
+    block gets the names of those left in fp8."""
+    from .carry import carry_hooks
+    from .linear import Fp8Linear
+
+    plain_forwards = {Fp8Linear.forward, *(c.forward for c in Fp8Linear.__mro__[1:] if "forward" in c.__dict__)}
     layers = [m for m in model.modules() if is_fp8(m) and hasattr(m, "weight")]
-    swapped = []
+    swapped, kept = [], []
+    names = {id(m): name for name, m in model.named_modules()}
     try:
         for layer in layers:
+            more = (type(layer).forward not in plain_forwards or next(layer.children(), None) is not None
+                    or any(name not in ("weight", "bias") for name, _ in layer.named_parameters()))
+            if more:
+                kept.append(names.get(id(layer), type(layer).__name__))
+                continue
             plain = nn.Linear.__new__(nn.Linear)
             nn.Module.__init__(plain)
             plain.in_features, plain.out_features = layer.weight.shape[1], layer.weight.shape[0]
             plain.weight, plain.bias = layer.weight, getattr(layer, "bias", None)
-            plain.train(layer.training)
+            carry_hooks(layer, plain)
             swap(model, layer, plain)
             swapped.append((layer, plain))
-        yield
+        yield kept
     finally:
         for layer, plain in swapped:
             swap(model, plain, layer)
