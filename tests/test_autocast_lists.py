@@ -354,3 +354,25 @@ def test_the_inspector_labels_float32_ops_from_the_devices_lists():
     rows = {r.name: r for r in report.rows}
     assert rows["holder.bce"].fp32_reason == "autocast: float32 op"
     assert rows["holder.net.1"].output_dtype == "bfloat16" and rows["holder.net.1"].fp32_reason is None
+
+
+@pytest.mark.parametrize("backend, would", [(CUDABackend, "float32 already"), (HPUBackend, "the low dtype"),
+                                            (CPUBackend, "its input's dtype"), (MPSBackend, "float32 already")])
+def test_the_recipes_reasons_say_what_the_devices_autocast_would_do(backend, would):
+    """The recipe keeps norms in float32 on every device; its reason says what that device's autocast would
+    have done with them (CUDA: float32 anyway; Gaudi: bf16; the CPU: the input's dtype), from the lists."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        policy = amp_backends.precision_policy(model, backend=backend())
+    try:
+        assert policy.selected["1"] == f"recipe: LayerNorm (under {backend.name}'s autocast it would run in {would})"
+        assert policy.selected["3"] == "recipe: the final classifier / head"
+        expected_bn = {"mps": "float32 already", "hpu": "the low dtype", "cpu": "its input's dtype"}.get(
+            backend.name, "its input's dtype")
+        assert policy.selected["2"].endswith(f"it would run in {expected_bn})")
+    finally:
+        policy.remove()
+    policy = amp_backends.precision_policy(model)
+    assert policy.selected["1"] == "recipe: LayerNorm", "without a backend: no claim about a device"
+    policy.remove()

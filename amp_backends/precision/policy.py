@@ -177,6 +177,18 @@ def _backend_ops(backend: Any) -> list[tuple[str, tuple[type, ...]]]:
     return extra
 
 
+def _say_what_autocast_would_do(chosen: dict[str, tuple[nn.Module, str]], backend: Any) -> None:
+    """The recipe's normalisation layers, with what the backend's autocast would run them in (its lists)."""
+    from ..registry.registry import resolve_backend
+
+    be = resolve_backend(backend)
+    words = {"fp32": "float32 already", "lower": "the low dtype", "promote": "the widest input dtype"}
+    for key, (module, reason) in chosen.items():
+        if reason.startswith("recipe: ") and isinstance(module, NORM_TYPES):
+            would = words.get(be.autocast_lists.module_policy(module) or "", "its input's dtype")
+            chosen[key] = (module, f"{reason} (under {be.name}'s autocast it would run in {would})")
+
+
 def precision_policy(
     model: nn.Module,
     fp32: Selector | Sequence[Selector] = (RECIPE,),
@@ -228,6 +240,8 @@ def precision_policy(
         if head is None and example_inputs is not None:
             warnings.warn(f"precision_policy: the recipe's head is not selected: {how}", RuntimeWarning, stacklevel=2)
     chosen, skipped = select(model, selectors, head=head if RECIPE in selectors else None, extra=extra)
+    if backend is not None:
+        _say_what_autocast_would_do(chosen, backend)
     _refuse_fp8_layers(chosen)
     policy = PrecisionPolicy(model, skipped=skipped, head_found_by=how)
     if fp8_selectors is not None and fp8_backend is not None:
