@@ -272,15 +272,15 @@ def as_linear(model: nn.Module) -> Iterator[list[str]]:
     submodules of its own, such as a LoRA adapter) stays: a plain Linear would drop what it adds. The
     block gets the names of those left in fp8."""
     from .carry import carry_hooks
-    from .linear import Fp8Linear
 
-    plain_forwards = {Fp8Linear.forward, *(c.forward for c in Fp8Linear.__mro__[1:] if "forward" in c.__dict__)}
     layers = [m for m in model.modules() if is_fp8(m) and hasattr(m, "weight")]
     swapped, kept = [], []
     names = {id(m): name for name, m in model.named_modules()}
     try:
         for layer in layers:
-            more = (type(layer).forward not in plain_forwards or next(layer.children(), None) is not None
+            forward_from = getattr(type(layer).forward, "__module__", "") or ""
+            more = (not (forward_from == f"{__package__}.linear" or forward_from.startswith("torchao."))
+                    or next(layer.children(), None) is not None
                     or any(name not in ("weight", "bias") for name, _ in layer.named_parameters()))
             if more:
                 kept.append(names.get(id(layer), type(layer).__name__))
