@@ -132,3 +132,67 @@ def test_every_builtin_backend_declares_its_library():
     for cls, lib in expected.items():
         assert cls.collectives is lib, cls.__name__
     assert collectives.GAUDI_HCCL.wire_dtype(torch.float16) == torch.float32
+
+
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+needs_cpu_fsdp2 = pytest.mark.skipif(
+    _TORCH < (2, 6), reason="FSDP2 on CPU (gloo) needs torch 2.6+: torch 2.4's fully_shard creates CUDA streams")
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("comms_fsdp")
+    proc = torchrun(HERE / "comms_fsdp_worker.py", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_policy_matches_hand_written_policies_bitwise(fsdp_ranks):
+    """bf16 weights, the recipe's norm and head in float32 with their own float32 policy, gradients
+    reduced in float32 (the default) or bfloat16: the same shards as fully_shard with the policies written
+    by hand (on 2 ranks dividing by 2 first is exact, so divide-then-SUM equals gloo's AVG bitwise)."""
+    for r in fsdp_ranks:
+        assert r["equal_fp32_reduce"] and r["equal_bf16_reduce"]
+        ours = r["runs"]["ours"]
+        assert ours["policies"] == {"head": ["torch.float32", "torch.float32", "None"],
+                                    "norm": ["torch.float32", "torch.float32", "None"],
+                                    "body": ["torch.bfloat16", "torch.float32", "None"],
+                                    "": ["torch.bfloat16", "torch.float32", "torch.float32"]}
+        assert r["runs"]["ours_bf16"]["policies"]["body"][1] == "torch.bfloat16"
+        assert ours["head_dtypes"] == ["torch.float32"] and ours["record"][0]["out_dtype"] == "torch.float32"
+        assert 0 < r["max_diff_vs_fp32"] < 5e-3 and 0 < r["max_diff_bf16_vs_fp32"] < 5e-3
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_divides_then_sums_where_fully_shard_would_average(fsdp_ranks):
+    for r in fsdp_ranks:
+        assert r["runs"]["ours"]["reduction"] == "divide by 2, then SUM"
+        for e in r["runs"]["ours"]["record"] + r["runs"]["ours_bf16"]["record"]:
+            assert e["scatter_ops"] in (["SUM"], ["None"])  # None: this torch does not show the op
+        assert all(e["scatter_ops"] in (["AVG"], ["None"]) for e in r["runs"]["hand"]["record"])
+        assert r["premul_sum"] in (None, "Cannot use ReduceOp.PREMUL_SUM with Gloo"), \
+            "a custom divide factor makes fully_shard ask gloo for PREMUL_SUM, which it refuses"
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_bytes_counted_half_for_low_precision_modules(fsdp_ranks):
+    """Against the same modules sharded with float32 policies: bf16 weights gather half the bytes, and
+    bf16 reduction scatters half; the float32 modules' bytes stay."""
+    for r in fsdp_ranks:
+        full = r["runs"]["hand_fp32"]["record"]
+        for e, f in zip(r["runs"]["ours_bf16"]["record"], full):
+            assert set(f["gather_by_dtype"]) == {"float32"}
+            low, kept = e["gather_by_dtype"]["bfloat16"], e["gather_by_dtype"]["float32"]
+            assert 2 * low + kept == f["gather_by_dtype"]["float32"] and low > kept
+            low, kept = e["scatter_by_dtype"]["bfloat16"], e["scatter_by_dtype"]["float32"]
+            assert 2 * low + kept == f["scatter_by_dtype"]["float32"]
+        for e, f in zip(r["runs"]["ours"]["record"], full):
+            assert e["scatter_by_dtype"] == f["scatter_by_dtype"], "float32 reduction by default"
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_refusal_before_sharding(fsdp_ranks):
+    for r in fsdp_ranks:
+        assert "does not all-gather bfloat16" in r["refusal"]["error"] and "leave FSDP2 in float32" in r["refusal"]["error"]
+        assert r["refusal"]["untouched"], "nothing was sharded"

@@ -35,6 +35,8 @@ class CollectiveRecord:
     dtype: torch.dtype
     numel: int
     nbytes: int
+    #: The reduce op ("SUM", "AVG", "PREMUL_SUM" ...) where torch shows it to Python (2.5+ c10d ops), else None.
+    reduce_op: str | None = None
 
 
 def _tensors(arg: Any) -> Iterator[torch.Tensor]:
@@ -63,6 +65,27 @@ class CollectiveLog:
     def dtypes(self, op: str | Sequence[str] | None = None) -> set[torch.dtype]:
         return {r.dtype for r in self.of(op)}
 
+    def bytes_by_dtype(self, op: str | Sequence[str] | None = None) -> dict[str, int]:
+        """Payload bytes of ``op``'s records per dtype name ("float32", "bfloat16" ...)."""
+        out: dict[str, int] = {}
+        for r in self.of(op):
+            key = str(r.dtype).replace("torch.", "")
+            out[key] = out.get(key, 0) + r.nbytes
+        return out
+
+    def reduce_ops(self, op: str | Sequence[str] | None = None) -> set[str | None]:
+        return {r.reduce_op for r in self.of(op)}
+
+
+def _op_name(reduce_op: Any) -> str | None:
+    import torch.distributed as dist
+
+    names = {int(v): n for n, v in dist.ReduceOp.RedOpType.__members__.items()}
+    try:
+        return names.get(int(reduce_op.op()))
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
 
 class _Counter(TorchDispatchMode):
     def __init__(self, log: CollectiveLog) -> None:
@@ -74,8 +97,10 @@ class _Counter(TorchDispatchMode):
         if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
             name = packet._qualified_op_name.split("::", 1)[1]
             arg = args[_INPUT_ARG.get(name, 0)] if args else None
+            reduce_op = next((_op_name(a) for a in args if callable(getattr(a, "op", None))), None)
             for t in _tensors(arg):
-                self.log.records.append(CollectiveRecord(name, t.dtype, t.numel(), t.numel() * t.element_size()))
+                self.log.records.append(
+                    CollectiveRecord(name, t.dtype, t.numel(), t.numel() * t.element_size(), reduce_op))
         return func(*args, **(kwargs or {}))
 
 
