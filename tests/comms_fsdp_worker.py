@@ -115,6 +115,30 @@ def premul_sum() -> str | None:
     return "accepted"
 
 
+def gaudi() -> dict:
+    """Under Gaudi's HCCL (simulated: it refuses AVG and PREMUL_SUM): fully_shard's own AVG fails at the first
+    backward, as on the hardware; shard_in_low_precision, checked against the same declaration, divides and sums."""
+    from amp_backends.testing.simcollectives import SimulatedCollectiveError, simulated_library
+
+    declared = dataclasses.replace(collectives.GAUDI_HCCL, process_group="gloo")
+    gaudi_cpu = type("GaudiLike", (type(be),), {"collectives": declared})()
+    out = {}
+    for how in ("hand", "ours"):
+        net = Net()
+        if how == "hand":
+            by_hand(net, torch.float32)
+        else:
+            distributed.shard_in_low_precision(net, gaudi_cpu, policy=amp_backends.precision_policy(net),
+                                               blocks=[net.body])
+        try:
+            with simulated_library(declared):
+                torch.nn.functional.mse_loss(net(X), Y).backward()
+            out[how] = None
+        except SimulatedCollectiveError as e:
+            out[how] = str(e)
+    return out
+
+
 runs = {"ours": run("ours"), "hand": run("hand"), "fp32": run("fp32"), "hand_fp32": run("hand_fp32"),
         "ours_bf16": run("ours", torch.bfloat16), "hand_bf16": run("hand", torch.bfloat16)}
 result = {
@@ -125,6 +149,7 @@ result = {
     "runs": {k: {kk: vv for kk, vv in v.items() if kk != "shards"} for k, v in runs.items()},
     "refusal": refusal(),
     "premul_sum": premul_sum(),
+    "gaudi": gaudi(),
 }
 Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(result))
 distributed.destroy_process_group()

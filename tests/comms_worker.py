@@ -147,6 +147,39 @@ def refusals() -> dict:
     return out
 
 
+def simulations() -> dict:
+    """Collectives gloo runs, refused (or not) by the simulated vendor libraries, as the real ones would."""
+    from amp_backends.testing.simcollectives import SimulatedCollectiveError, simulated_library
+
+    def attempt(library: collectives.Collectives, call: Callable[[], object]) -> str | None:
+        try:
+            with simulated_library(library):
+                call()
+        except SimulatedCollectiveError as e:
+            return str(e)
+        return None
+
+    t64 = torch.ones(4, dtype=torch.float64)
+    out = {
+        "hccl_fp64_allreduce": attempt(collectives.HCCL, lambda: dist.all_reduce(t64)),
+        "cncl_fp64_broadcast": attempt(collectives.CNCL, lambda: dist.broadcast(t64, 0)),
+        "gloo_fp64_allreduce": attempt(collectives.GLOO, lambda: dist.all_reduce(t64)),
+        "gaudi_avg": attempt(collectives.GAUDI_HCCL, lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.AVG))
+        if _TORCH >= (2, 8) else "not run: older gloo refuses AVG itself and torch 2.4 hides the op",
+    }
+
+    def ddp_step(dtype: torch.dtype) -> None:
+        ddp = DDP(model())
+        distributed.reduce_in_low_precision(ddp, be, dtype)
+        torch.nn.functional.mse_loss(ddp(X[0]), Y[0]).backward()
+
+    out["cncl_ddp_bf16"] = attempt(collectives.CNCL, lambda: ddp_step(torch.bfloat16))
+    out["gaudi_ddp_bf16"] = attempt(collectives.GAUDI_HCCL, lambda: ddp_step(torch.bfloat16))
+    out["gaudi_sum_allowed"] = attempt(collectives.GAUDI_HCCL, lambda: dist.all_reduce(torch.ones(4)))
+    return out
+
+
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 runs = {r: train(r) for r in ("fp32", "ours_fp16", "torch_fp16", "ours_bf16", "recipe_bf16")}
 if hasattr(default_hooks, "_compress_hook"):
     runs["torch_bf16"] = train("torch_bf16")
@@ -170,6 +203,7 @@ result = {
                    for k, v in acc.items()},
     "accumulate_equal": torch.equal(acc["ours_fp16"]["params"], acc["torch_fp16"]["params"]),
     "refusals": refusals(),
+    "simulations": simulations(),
 }
 Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(result, default=lambda o: None if o != o else o))
 distributed.destroy_process_group()

@@ -18,6 +18,7 @@ from test_distributed import torchrun
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +135,6 @@ def test_every_builtin_backend_declares_its_library():
     assert collectives.GAUDI_HCCL.wire_dtype(torch.float16) == torch.float32
 
 
-_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 needs_cpu_fsdp2 = pytest.mark.skipif(
     _TORCH < (2, 6), reason="FSDP2 on CPU (gloo) needs torch 2.6+: torch 2.4's fully_shard creates CUDA streams")
 
@@ -194,5 +194,25 @@ def test_fsdp2_bytes_counted_half_for_low_precision_modules(fsdp_ranks):
 @needs_cpu_fsdp2
 def test_fsdp2_refusal_before_sharding(fsdp_ranks):
     for r in fsdp_ranks:
-        assert "does not all-gather bfloat16" in r["refusal"]["error"] and "leave FSDP2 in float32" in r["refusal"]["error"]
+        assert "does not all-gather or broadcast bfloat16" in r["refusal"]["error"] and "leave FSDP2 in float32" in r["refusal"]["error"]
         assert r["refusal"]["untouched"], "nothing was sharded"
+
+
+def test_simulated_libraries_refuse_what_the_vendors_refuse(ranks):
+    """Collectives gloo runs, refused by the simulated vendor library as the real one would refuse them."""
+    for r in ranks:
+        sim = r["simulations"]
+        assert "HCCL (Ascend, torch_npu) does not reduce float64" in sim["hccl_fp64_allreduce"]
+        assert "CNCL (Cambricon, torch_mlu) does not all-gather or broadcast float64" in sim["cncl_fp64_broadcast"]
+        assert sim["gloo_fp64_allreduce"] is None and sim["gaudi_sum_allowed"] is None
+        if _TORCH >= (2, 8):  # gloo takes AVG (pytorch PR 149781) and shows the op to Python
+            assert "HCCL (Intel Gaudi) does not take ReduceOp.AVG" in sim["gaudi_avg"]
+        assert sim["cncl_ddp_bf16"] is None and sim["gaudi_ddp_bf16"] is None, "DDP's bf16 divide-then-SUM passes"
+
+
+@needs_cpu_fsdp2
+def test_fsdp2_on_simulated_gaudi_hccl_fails_where_the_hardware_would(fsdp_ranks):
+    for r in fsdp_ranks:
+        assert "HCCL (Intel Gaudi) does not take ReduceOp.AVG" in r["gaudi"]["hand"]
+        assert "_reduce_scatter_base_" in r["gaudi"]["hand"]
+        assert r["gaudi"]["ours"] is None

@@ -79,7 +79,7 @@ class Collectives:
         """Why the library would refuse to all-gather ``dtype`` tensors, or None where it moves them."""
         if dtype in self.gather_dtypes or not dtype.is_floating_point:
             return None
-        return (f"{self.library} does not all-gather {_name(dtype)} tensors (it moves "
+        return (f"{self.library} does not all-gather or broadcast {_name(dtype)} tensors (it moves "
                 f"{', '.join(map(_name, self.gather_dtypes))}; {self.source})")
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveLog", "CollectiveRecord", "count_collectives"]
+__all__ = ["CollectiveLog", "CollectiveRecord", "count_collectives", "reduce_op_name"]
 
 #: Which argument holds what a rank sends, for the ops whose first argument is an output.
 _INPUT_ARG = {"_allgather_base_": 1, "_reduce_scatter_base_": 1, "allgather_": 1, "reduce_scatter_": 1,
@@ -77,7 +77,8 @@ class CollectiveLog:
         return {r.reduce_op for r in self.of(op)}
 
 
-def _op_name(reduce_op: Any) -> str | None:
+def reduce_op_name(reduce_op: Any) -> str | None:
+    """The name of a c10d op's ReduceOp argument ("SUM", "AVG" ...), or None where torch does not show it (2.4)."""
     import torch.distributed as dist
 
     names = {int(v): n for n, v in dist.ReduceOp.RedOpType.__members__.items()}
@@ -97,7 +98,7 @@ class _Counter(TorchDispatchMode):
         if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
             name = packet._qualified_op_name.split("::", 1)[1]
             arg = args[_INPUT_ARG.get(name, 0)] if args else None
-            reduce_op = next((_op_name(a) for a in args if callable(getattr(a, "op", None))), None)
+            reduce_op = next((reduce_op_name(a) for a in args if callable(getattr(a, "op", None))), None)
             for t in _tensors(arg):
                 self.log.records.append(
                     CollectiveRecord(name, t.dtype, t.numel(), t.numel() * t.element_size(), reduce_op))
