@@ -216,3 +216,34 @@ def test_fsdp2_on_simulated_gaudi_hccl_fails_where_the_hardware_would(fsdp_ranks
         assert "HCCL (Intel Gaudi) does not take ReduceOp.AVG" in r["gaudi"]["hand"]
         assert "_reduce_scatter_base_" in r["gaudi"]["hand"]
         assert r["gaudi"]["ours"] is None
+
+
+def test_two_nodes_through_torchruns_rendezvous(tmp_path):
+    """Two torchrun agents, one per "node", meeting through the c10d rendezvous on this machine, as a
+    multi-node launch does: bf16 gradients, half the bytes, the ranks identical."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMP_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                      "MASTER_", "GROUP_RANK", "TORCHELASTIC"))}
+    env.update(AMP_BACKEND="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=comms{port}",
+         str(HERE / "comms_worker.py"), "--out", str(tmp_path), "--quick", "--steps", "3"],
+        env=env, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
+    for node in nodes:
+        _, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert sorted(r["node"] for r in ranks) == [0, 1] and all(r["world_size"] == 2 for r in ranks)
+    for r in ranks:
+        fp32, bf16 = r["runs"]["fp32"], r["runs"]["ours_bf16"]
+        assert all(e["allreduce_bytes"] == r["numel"] * 4 for e in fp32["record"])
+        assert all(e["allreduce_bytes"] == r["numel"] * 2 and e["dtypes"] == ["torch.bfloat16"] for e in bf16["record"])
+        assert bf16["identical_across_ranks"] and 0 < bf16["max_diff_vs_fp32"] < 1e-3
