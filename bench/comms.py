@@ -6,7 +6,8 @@ bfloat16 and float16 (with the loss scaler), on 2 CPU ranks over gloo.
 
 Each configuration trains the same MLP from the same seed on the same per-rank data: DDP's own
 float32 all-reduce; ``amp_backends.distributed.reduce_in_low_precision`` in bfloat16; the same in
-float16 with ``amp_backends.GradScaler``; and, with torch 2.6+, FSDP2 sharded by
+float16 with ``amp_backends.GradScaler`` (initial scale 2**16, torch's default, and 2**24, which float16
+buckets overflow at first: skipped steps); and, with torch 2.6+, FSDP2 sharded by
 ``shard_in_low_precision`` (bf16 weights; float32, then bf16 reduction) against float32 policies on the
 same modules. Bytes are counted as each collective is dispatched
 (:func:`amp_backends.distributed.count_collectives`: the payload a rank hands the library), not
@@ -54,9 +55,11 @@ def _ddp(config: str, rank: int, steps: int) -> dict:
     net = _model()
     ddp = DDP(net)
     if config != "fp32":
-        distributed.reduce_in_low_precision(ddp, be, torch.float16 if config == "fp16+scaler" else torch.bfloat16)
+        distributed.reduce_in_low_precision(ddp, be, torch.float16 if config.startswith("fp16") else torch.bfloat16)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
-    scaler = amp_backends.GradScaler(be, init_scale=2.0**16) if config == "fp16+scaler" else None
+    # torch's default initial scale, and one float16 buckets overflow at first (float32 ones would not)
+    scale = {"fp16+scaler": 2.0**16, "fp16+scaler 2^24": 2.0**24}.get(config)
+    scaler = amp_backends.GradScaler(be, init_scale=scale) if scale else None
     x, y = _data(rank, steps)
     losses, per_step, dtypes, skipped = [], [], set(), 0
     for step in range(steps):
@@ -111,7 +114,7 @@ def _rank(rank: int, init: str, steps: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
-        result = {"ddp": {c: _ddp(c, rank, steps) for c in ("fp32", "bf16", "fp16+scaler")}}
+        result = {"ddp": {c: _ddp(c, rank, steps) for c in ("fp32", "bf16", "fp16+scaler", "fp16+scaler 2^24")}}
         if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6):
             result["fsdp2"] = {c: _fsdp(c, rank, steps) for c in ("fp32", "bf16 weights", "bf16 reduce")}
         Path(out, f"{rank}.json").write_text(json.dumps(result))
@@ -137,9 +140,9 @@ def main() -> None:
           f"{datetime.date.today()}")
     ddp = res["ddp"]
     ref = ddp["fp32"]
-    print(f"{'DDP':<14}{'bytes/step':>12}{'vs fp32':>9}{'wire':>16}{'final loss':>12}{'gap (last 50)':>15}{'skipped':>9}")
+    print(f"{'DDP':<18}{'bytes/step':>12}{'vs fp32':>9}{'wire':>16}{'final loss':>12}{'gap (last 50)':>15}{'skipped':>9}")
     for name, r in ddp.items():
-        print(f"{name:<14}{r['bytes_per_step']:>12}{r['bytes_per_step'] / ref['bytes_per_step']:>9.3f}"
+        print(f"{name:<18}{r['bytes_per_step']:>12}{r['bytes_per_step'] / ref['bytes_per_step']:>9.3f}"
               f"{'/'.join(r['dtypes']):>16}{r['losses'][-1]:>12.5f}{_gap(r['losses'], ref['losses']):>15.2e}"
               f"{r['skipped']:>9}")
     if "fsdp2" in res:

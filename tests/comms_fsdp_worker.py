@@ -140,10 +140,12 @@ def gaudi() -> dict:
 
 
 runs = {"ours": run("ours"), "hand": run("hand"), "fp32": run("fp32"), "hand_fp32": run("hand_fp32"),
-        "ours_bf16": run("ours", torch.bfloat16), "hand_bf16": run("hand", torch.bfloat16)}
+        "ours_bf16": run("ours", torch.bfloat16), "hand_bf16": run("hand", torch.bfloat16),
+        "ours_fp16": run("ours", torch.float16), "hand_fp16": run("hand", torch.float16)}
 result = {
     "equal_fp32_reduce": torch.equal(runs["ours"]["shards"], runs["hand"]["shards"]),
     "equal_bf16_reduce": torch.equal(runs["ours_bf16"]["shards"], runs["hand_bf16"]["shards"]),
+    "equal_fp16_reduce": torch.equal(runs["ours_fp16"]["shards"], runs["hand_fp16"]["shards"]),
     "max_diff_vs_fp32": float((runs["ours"]["shards"] - runs["hand_fp32"]["shards"]).abs().max()),
     "max_diff_bf16_vs_fp32": float((runs["ours_bf16"]["shards"] - runs["hand_fp32"]["shards"]).abs().max()),
     "runs": {k: {kk: vv for kk, vv in v.items() if kk != "shards"} for k, v in runs.items()},

@@ -150,10 +150,10 @@ def fsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @needs_cpu_fsdp2
 def test_fsdp2_policy_matches_hand_written_policies_bitwise(fsdp_ranks):
     """bf16 weights, the recipe's norm and head in float32 with their own float32 policy, gradients
-    reduced in float32 (the default) or bfloat16: the same shards as fully_shard with the policies written
+    reduced in float32 (the default), bfloat16 or float16: the same shards as fully_shard with the policies written
     by hand (on 2 ranks dividing by 2 first is exact, so divide-then-SUM equals gloo's AVG bitwise)."""
     for r in fsdp_ranks:
-        assert r["equal_fp32_reduce"] and r["equal_bf16_reduce"]
+        assert r["equal_fp32_reduce"] and r["equal_bf16_reduce"] and r["equal_fp16_reduce"]
         ours = r["runs"]["ours"]
         assert ours["policies"] == {"head": ["torch.float32", "torch.float32", "None"],
                                     "norm": ["torch.float32", "torch.float32", "None"],
@@ -168,7 +168,7 @@ def test_fsdp2_policy_matches_hand_written_policies_bitwise(fsdp_ranks):
 def test_fsdp2_divides_then_sums_where_fully_shard_would_average(fsdp_ranks):
     for r in fsdp_ranks:
         assert r["runs"]["ours"]["reduction"] == "divide by 2, then SUM"
-        for e in r["runs"]["ours"]["record"] + r["runs"]["ours_bf16"]["record"]:
+        for e in r["runs"]["ours"]["record"] + r["runs"]["ours_bf16"]["record"] + r["runs"]["ours_fp16"]["record"]:
             assert e["scatter_ops"] in (["SUM"], ["None"])  # None: this torch does not show the op
         assert all(e["scatter_ops"] in (["AVG"], ["None"]) for e in r["runs"]["hand"]["record"])
         assert r["premul_sum"] in (None, "Cannot use ReduceOp.PREMUL_SUM with Gloo"), \
