@@ -22,6 +22,7 @@ args = parser.parse_args()
 
 info = distributed.init_process_group("cpu")
 be = info.backend
+world = info.world_size
 fully_shard, MixedPrecisionPolicy = fsdp_api()
 g = torch.Generator().manual_seed(100 + info.rank)
 X, Y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
@@ -57,9 +58,14 @@ def run(how: str, reduce_dtype: torch.dtype = torch.float32) -> dict:
     head_dtypes = []
     net.head.register_forward_pre_hook(lambda m, a: head_dtypes.append(str(m.weight.dtype)))
     plan = None
-    if how == "ours":
+    if how in ("ours", "ours_mesh"):
         policy = amp_backends.precision_policy(net)  # the recipe: the norm and the head in float32
-        plan = distributed.shard_in_low_precision(net, be, policy=policy, blocks=[net.body], reduce_dtype=reduce_dtype)
+        mesh = None
+        if how == "ours_mesh":
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", (world,))
+        plan = distributed.shard_in_low_precision(net, be, policy=policy, blocks=[net.body], reduce_dtype=reduce_dtype,
+                                                  mesh=mesh)
     elif how == "hand":
         by_hand(net, reduce_dtype)
     elif how == "hand_fp32":  # the same modules sharded, every policy float32
@@ -141,10 +147,12 @@ def gaudi() -> dict:
 
 runs = {"ours": run("ours"), "hand": run("hand"), "fp32": run("fp32"), "hand_fp32": run("hand_fp32"),
         "ours_bf16": run("ours", torch.bfloat16), "hand_bf16": run("hand", torch.bfloat16),
-        "ours_fp16": run("ours", torch.float16), "hand_fp16": run("hand", torch.float16)}
+        "ours_fp16": run("ours", torch.float16), "hand_fp16": run("hand", torch.float16),
+        "ours_mesh": run("ours_mesh")}
 result = {
     "equal_fp32_reduce": torch.equal(runs["ours"]["shards"], runs["hand"]["shards"]),
     "equal_bf16_reduce": torch.equal(runs["ours_bf16"]["shards"], runs["hand_bf16"]["shards"]),
+    "equal_with_mesh": torch.equal(runs["ours_mesh"]["shards"], runs["ours"]["shards"]),
     "equal_fp16_reduce": torch.equal(runs["ours_fp16"]["shards"], runs["hand_fp16"]["shards"]),
     "max_diff_vs_fp32": float((runs["ours"]["shards"] - runs["hand_fp32"]["shards"]).abs().max()),
     "max_diff_bf16_vs_fp32": float((runs["ours_bf16"]["shards"] - runs["hand_fp32"]["shards"]).abs().max()),

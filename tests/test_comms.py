@@ -154,6 +154,7 @@ def test_fsdp2_policy_matches_hand_written_policies_bitwise(fsdp_ranks):
     by hand (on 2 ranks dividing by 2 first is exact, so divide-then-SUM equals gloo's AVG bitwise)."""
     for r in fsdp_ranks:
         assert r["equal_fp32_reduce"] and r["equal_bf16_reduce"] and r["equal_fp16_reduce"]
+        assert r["equal_with_mesh"], "a 1-D DeviceMesh shards as the default group does"
         ours = r["runs"]["ours"]
         assert ours["policies"] == {"head": ["torch.float32", "torch.float32", "None"],
                                     "norm": ["torch.float32", "torch.float32", "None"],
@@ -219,7 +220,7 @@ def test_fsdp2_on_simulated_gaudi_hccl_fails_where_the_hardware_would(fsdp_ranks
 
 
 def test_two_nodes_through_torchruns_rendezvous(tmp_path):
-    """Two torchrun agents, one per "node", meeting through the c10d rendezvous on this machine, as a
+    """Two torchrun launches, one per "node", meeting through the c10d rendezvous on this machine, as a
     multi-node launch does: bf16 gradients, half the bytes, the ranks identical."""
     import os
     import socket
