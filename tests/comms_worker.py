@@ -141,6 +141,14 @@ def refusals() -> dict:
     except TypeError as e:
         out["not_ddp"] = str(e)
     out["hooks_after_refusals"] = len(ddp._comm_hooks)
+    from amp_backends.distributed.sharding import _can_divide_then_sum
+
+    if not _can_divide_then_sum():  # fully_shard would reduce float32 with AVG, which gloo refused before PR 149781
+        try:
+            distributed.shard_in_low_precision(model(), be)
+            out["fsdp_old_torch"] = None
+        except distributed.CollectiveError as e:
+            out["fsdp_old_torch"] = str(e)
     distributed.reduce_in_low_precision(ddp, be, torch.float16)
     try:
         distributed.reduce_in_low_precision(ddp, be, torch.float16)

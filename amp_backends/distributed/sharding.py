@@ -10,7 +10,7 @@ modules a precision policy keeps in float32 sharded with a float32 policy of the
 Every library is asked for the one reduction it takes, divide, then SUM: where fully_shard has
 ``set_force_sum_reduction_for_comms`` and ``set_custom_reduce_scatter`` each sharded module's
 gradients are divided by the data-parallel size in the reduce dtype and reduce-scattered with SUM
-(fully_shard would pick AVG for float32/bfloat16, which gloo before torch 2.7 and Gaudi's HCCL
+(fully_shard would pick AVG for float32/bfloat16, which gloo before pytorch PR 149781 (torch 2.4 among them) and Gaudi's HCCL
 refuse, and PREMUL_SUM for a custom divide factor, which gloo, CNCL, MCCL and Gaudi's HCCL refuse).
 Without them, fully_shard's own ops are checked against the library before anything is sharded.
 """
