@@ -21,6 +21,7 @@ from ..errors import PerformanceWarning, UnsupportedDtypeError
 from . import accelerator
 from . import autocast_lists as autocast_lists_
 from .autocast_lists import AutocastLists
+from .collectives import Collectives
 
 __all__ = ["FP8_RECIPES", "Device", "dtype_name"]
 
@@ -56,6 +57,12 @@ class Device:
     dist_backend: str = "gloo"
     #: What to install for a process-group backend where :attr:`dist_backend` is "".
     dist_install_hint: str = ""
+    #: What :attr:`dist_backend`'s library reduces and moves (dtypes, reduce ops, how it computes AVG):
+    #: a :class:`amp_backends.devices.collectives.Collectives`, e.g. one of its presets (``NCCL``,
+    #: ``CNCL``, ``GAUDI_HCCL`` ...), from the library's torch bindings. None: the preset for
+    #: :attr:`dist_backend`'s name where that name says which library it is (gloo, nccl, cncl, mccl,
+    #: xccl); low-precision communication (:mod:`amp_backends.distributed`) refuses a library it cannot look up.
+    collectives: Collectives | None = None
 
     # -- the device's unscale op (the executor applies these limits, with torch's results) --
     #: Gradient dtypes the device's unscale/check op accepts (None: every dtype). Gradients of

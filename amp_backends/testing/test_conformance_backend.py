@@ -31,6 +31,23 @@ def test_dtypes(backend):
     assert backend.device().type == backend.device_type
 
 
+def test_collective_library_declared(backend):
+    """What the process group's library reduces: declared (or a preset for an unambiguous name), naming its
+    source, and taking the one form low-precision communication asks for (divide, then SUM) in the
+    backend's default dtype or float32."""
+    from amp_backends.devices.collectives import Collectives, preset
+
+    if not backend.dist_backend:
+        pytest.skip(f"{backend.name} has no process-group backend")
+    lib = backend.collectives or preset(backend.dist_backend)
+    if lib is None:
+        pytest.skip(f"{backend.name}'s {backend.dist_backend!r} library is not declared (collectives = ...)")
+    assert isinstance(lib, Collectives) and lib.source
+    assert lib.process_group in str(backend.dist_backend).lower() or backend.dist_backend == "ccl"
+    assert lib.reduces(torch.float32, "sum")
+    assert lib.reduces(backend.default_dtype, "sum") or lib.wire_dtype(backend.default_dtype) == torch.float32
+
+
 @pytest.mark.parametrize("bad", [torch.float64, torch.int32, "not_a_dtype"])
 def test_unsupported_dtype_is_refused_clearly(backend, bad):
     with pytest.raises(amp_backends.UnsupportedDtypeError) as info:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.devices import collectives as collective_libraries
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import HONOURS
 from amp_backends.devices.hardware import cpu_native_dtypes, cpu_summary, missing_cpu_features
@@ -21,6 +22,7 @@ class CPUBackend(Backend):
     device_type = "cpu"
     default_dtype = torch.bfloat16
     dist_backend = "gloo"
+    collectives = collective_libraries.GLOO  # gloo's dtypes and ops (amp_backends/devices/collectives.py)
     priority = 0
     #: torch's CPU lists (aten/src/ATen/autocast_mode.cpp, CPU block): norms and softmax in their input's
     #: dtype, binary_cross_entropy in float32 (not banned)

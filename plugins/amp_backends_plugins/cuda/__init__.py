@@ -13,6 +13,7 @@ import os
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.devices import collectives as collective_libraries
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import HONOURS
 
@@ -24,6 +25,7 @@ class CUDABackend(Backend):
     device_type = "cuda"
     default_dtype = torch.float16
     dist_backend = "nccl"
+    collectives = collective_libraries.NCCL  # NCCL's (RCCL's on ROCm): ProcessGroupNCCL.cpp getNcclDataType/getNcclReduceOp
     priority = 100
     #: torch's CUDA unscale op (aten/src/ATen/native/cuda/AmpKernels.cu) dispatches on float,
     #: double and half only: bf16 gradients go through a float32 copy unless the kernel (Triton)

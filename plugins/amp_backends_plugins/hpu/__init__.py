@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from amp_backends import hookimpl
+from amp_backends.devices import collectives as collective_libraries
 from amp_backends.devices import autocast_lists
 from amp_backends.extension import ExtensionBackend
 
@@ -36,6 +37,7 @@ class HPUBackend(ExtensionBackend):
     device_type = "hpu"
     default_dtype = torch.bfloat16  # Gaudi's native dtype: no loss scaling by default
     dist_backend = "hccl"
+    collectives = collective_libraries.GAUDI_HCCL  # the Gaudi bridge's HCCL: no AVG or PREMUL_SUM, fp16 reduced through float32
     priority = 100
     has_fp64 = False
     extension = "habana_frameworks.torch"

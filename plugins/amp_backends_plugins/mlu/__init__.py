@@ -14,6 +14,7 @@ import os
 import torch
 
 from amp_backends import hookimpl
+from amp_backends.devices import collectives as collective_libraries
 from amp_backends.extension import ExtensionBackend
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import ABSENT, HONOURS
@@ -36,6 +37,7 @@ class MLUBackend(ExtensionBackend):
     device_type = "mlu"
     default_dtype = torch.float16
     dist_backend = "cncl"
+    collectives = collective_libraries.CNCL  # torch_mlu process_group_cncl.cpp: no float8, AVG divides first, no PREMUL_SUM
     priority = 100
     extension = "torch_mlu"
     install_hint = "install Cambricon's torch_mlu build that matches this torch"

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from amp_backends import hookimpl
+from amp_backends.devices import collectives as collective_libraries
 from amp_backends.extension import ExtensionBackend
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import ABSENT, HONOURS, REFUSED
@@ -32,6 +33,7 @@ class MUSABackend(ExtensionBackend):
     device_type = "musa"
     default_dtype = torch.float16
     dist_backend = "mccl"
+    collectives = collective_libraries.MCCL  # torch_musa ProcessGroupMCCL.cpp: AVG native, no PREMUL_SUM
     priority = 100
     extension = "torch_musa"
     install_hint = "install Moore Threads' torch_musa wheel for this torch (torch_musa 2.7.1 needs torch 2.7.1)"

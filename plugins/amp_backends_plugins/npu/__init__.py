@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from amp_backends import hookimpl
+from amp_backends.devices import collectives as collective_libraries
 from amp_backends.extension import ExtensionBackend
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import ABSENT, HONOURS, IGNORES, SCALE_BLIND
@@ -74,6 +75,7 @@ class NPUBackend(ExtensionBackend):
     device_type = "npu"
     default_dtype = torch.float16
     dist_backend = "hccl"
+    collectives = collective_libraries.HCCL  # torch_npu ProcessGroupHCCL.cpp: AVG is a SUM divided afterwards, fp8 gathers only
     priority = 100
     extension = "torch_npu"
     install_hint = "pip install torch_npu (the release made for this torch), with the CANN toolkit"

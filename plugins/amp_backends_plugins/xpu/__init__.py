@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from amp_backends import Backend, hookimpl
+from amp_backends.devices import collectives as collective_libraries
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import HONOURS
 
@@ -135,6 +136,8 @@ class XPUBackend(Backend):
 
     dist_install_hint = ("use a torch XPU build with XCCL (torch.distributed.is_xccl_available()), or install "
                          "oneCCL's bindings (pip install oneccl_bind_pt, from Intel's index for your torch)")
+
+    collectives = collective_libraries.XCCL  # oneCCL's, through XCCL or the ccl bindings: torch-xpu-ops src/xccl/xccl.h
 
     @property
     def dist_backend(self) -> str:  # type: ignore[override]

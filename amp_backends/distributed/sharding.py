@@ -1,0 +1,155 @@
+"""FSDP2 in mixed precision from the backend and the precision policy: weights all-gathered in the
+backend's low dtype, gradients reduce-scattered in the dtype asked for (float32 unless told), the
+modules a precision policy keeps in float32 sharded with a float32 policy of their own.
+
+    policy = amp_backends.precision_policy(model)            # norms and the head in float32
+    plan = amp_backends.distributed.shard_in_low_precision(model, "cuda", policy=policy,
+                                                           blocks=model.layers)
+    plan.policies                                            # module name -> its MixedPrecisionPolicy
+
+Every library is asked for the one reduction it takes, divide, then SUM: where fully_shard has
+``set_force_sum_reduction_for_comms`` and ``set_custom_reduce_scatter`` each sharded module's
+gradients are divided by the data-parallel size in the reduce dtype and reduce-scattered with SUM
+(fully_shard would pick AVG for float32/bfloat16, which gloo before pytorch PR 149781 (torch 2.4 among them) and Gaudi's HCCL
+refuse, and PREMUL_SUM for a custom divide factor, which gloo, CNCL, MCCL and Gaudi's HCCL refuse).
+Without them, fully_shard's own ops are checked against the library before anything is sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..backend import Backend
+from ..registry.registry import get
+from .library import CollectiveError, dtype_name, library_of, require_gather, require_reduce
+
+__all__ = ["ShardPlan", "fsdp_api", "shard_in_low_precision"]
+
+
+def fsdp_api() -> tuple[Any, Any]:
+    """``(fully_shard, MixedPrecisionPolicy)`` from where this torch keeps them."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+@dataclass
+class ShardPlan:
+    """What :func:`shard_in_low_precision` did: each sharded module's policy (``""`` is the root), the
+    library asked, and how gradients are divided."""
+
+    policies: dict[str, Any] = field(default_factory=dict)
+    library: str = ""
+    #: "divide, then SUM" (ours) or fully_shard's own ops ("AVG" / "pre- and post-divide, SUM").
+    reduction: str = ""
+
+
+def _divide_then_sum(divisor: int) -> Any:
+    """A fully_shard ReduceScatter that divides its input by ``divisor`` and reduce-scatters with SUM."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    scatter = getattr(dist, "reduce_scatter_single", None)
+
+    class DivideThenSum(ReduceScatter):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                     op: Any, async_op: bool = False) -> Any:
+            input_tensor.div_(divisor)
+            if scatter is not None:
+                return scatter(output=output_tensor, input=input_tensor, group=group, op=dist.ReduceOp.SUM,
+                               async_op=async_op)
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group,
+                                              async_op=async_op)
+
+    return DivideThenSum()
+
+
+def _can_divide_then_sum() -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(FSDPModule, m) for m in ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",
+                                                "set_gradient_divide_factor"))
+
+
+def shard_in_low_precision(model: nn.Module, backend: str | Backend | None = None, *, policy: Any = None,
+                           blocks: Iterable[nn.Module] = (), dtype: torch.dtype | None = None,
+                           reduce_dtype: torch.dtype = torch.float32, mesh: Any = None,
+                           **fully_shard_kwargs: Any) -> ShardPlan:
+    """``fully_shard`` ``model`` (and first each of ``blocks``, and each module ``policy`` keeps in float32)
+    with MixedPrecisionPolicy from ``backend``: parameters all-gathered in ``dtype`` (None: the backend's
+    ``default_dtype``), gradients reduced in ``reduce_dtype``, the root's output in float32; the
+    float32 modules with param_dtype and reduce_dtype float32. ``policy``: an
+    :func:`amp_backends.precision_policy` handle (its ``selected`` names). Checked before anything is
+    sharded: the library behind the mesh's group must gather ``dtype`` and reduce ``reduce_dtype``
+    with SUM (and with AVG where this torch's fully_shard cannot be told to divide first)."""
+    be = backend if isinstance(backend, Backend) else get(backend)
+    fully_shard, MixedPrecisionPolicy = fsdp_api()
+    dtype = be.default_dtype if dtype is None else dtype
+    what = f"shard_in_low_precision(dtype={dtype_name(dtype)}, reduce_dtype={dtype_name(reduce_dtype)})"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard_in_low_precision() takes an nn.Module, got {type(model).__name__}")
+    for name, d in (("dtype", dtype), ("reduce_dtype", reduce_dtype)):
+        if d not in (torch.float16, torch.bfloat16, torch.float32):
+            raise CollectiveError(f"{what}: {name} must be float16, bfloat16 or float32 (fp8 weights are gathered by "
+                                  "the fp8 engine, amp_backends.precision_policy(fp8=...))")
+    names = {m: n for n, m in model.named_modules()}
+    fp32_names = sorted(getattr(policy, "selected", {}) or {}) if policy is not None else []
+    params_of = {n: any(True for _ in m.parameters()) for n, m in model.named_modules()}
+    fp32_names = [n for n in fp32_names if params_of.get(n, True)]  # a module without parameters has nothing to shard
+    missing = [n for n in fp32_names if n not in dict(model.named_modules())]
+    block_list = list(blocks)
+    strangers = [type(b).__name__ for b in block_list if b not in names]
+    if missing or strangers:
+        raise ValueError(f"shard_in_low_precision(): {'policy names ' + ', '.join(missing) if missing else ''}"
+                         f"{' and ' if missing and strangers else ''}"
+                         f"{'blocks ' + ', '.join(strangers) if strangers else ''} are not modules of this model: "
+                         "pass the policy made for this model and blocks taken from it")
+    group = mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
+    device_type = next((p.device.type for p in model.parameters()), be.device_type)
+    library = library_of(be, group, device_type)
+    divide_first = _can_divide_then_sum()
+    way_out = "choose dtypes the library takes (its Collectives, amp_backends.devices.collectives), or leave FSDP2 in float32"
+    require_gather(library, dtype, what, way_out)
+    for d in {reduce_dtype, torch.float32} if fp32_names else {reduce_dtype}:
+        require_reduce(library, d, "sum", what, way_out)
+        if not divide_first and d in (torch.float32, torch.bfloat16):
+            require_reduce(library, d, "avg", f"{what}: this torch's fully_shard reduces {dtype_name(d)} with AVG and "
+                           "cannot be told to divide first", "use a torch whose FSDPModule has set_custom_reduce_scatter")
+
+    low = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    full = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32)
+    modules = dict(model.named_modules())
+    order = [(n, full) for n in fp32_names if n] + [(names[b], low) for b in block_list if names[b]]
+    order.sort(key=lambda item: -item[0].count("."))  # innermost first, as fully_shard needs
+    plan = ShardPlan(library=library.library)
+    kwargs = dict(fully_shard_kwargs, **({"mesh": mesh} if mesh is not None else {}))
+    for name, mp in order + [("", full if "" in fp32_names else root)]:
+        if name in plan.policies:
+            continue
+        fully_shard(modules[name], mp_policy=mp, **kwargs)
+        plan.policies[name] = mp
+    if divide_first:
+        size = mesh.size() if mesh is not None else dist.get_world_size()
+        for name in plan.policies:
+            module = modules[name]
+            module.set_gradient_divide_factor(1.0)  # fully_shard divides nothing; the comm divides first
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_custom_reduce_scatter(_divide_then_sum(size))
+        plan.reduction = f"divide by {size}, then SUM"
+    else:
+        plan.reduction = "fully_shard's own: AVG (float32, bfloat16), pre- and post-divide with SUM (float16)"
+    return plan
