@@ -13,8 +13,9 @@ the recipes ask for is the preset :data:`RECIPE`: normalisation layers and the f
 head in float32. Policies compose: several may select the same module, and any order of
 :meth:`PrecisionPolicy.remove` leaves exactly the remaining ones' selection.
 
-``fp8=`` selects Linear layers to train in fp8 (torchao's float8 training, :mod:`amp_backends.precision.fp8.engine`);
-per module, float32 beats fp8, which beats the autocast dtype.
+``fp8=`` selects Linear layers to train in fp8 (torchao's float8 training, :mod:`amp_backends.precision.fp8.engine`,
+or MXFP8 with ``fp8_recipe="mxfp8"``: :mod:`amp_backends.precision.fp8.mx`); per module, float32 beats fp8,
+which beats the autocast dtype.
 """
 
 from __future__ import annotations
@@ -63,23 +64,30 @@ class PrecisionPolicy:
     skipped: dict[str, str] = field(default_factory=dict)
     #: how the recipe found the head ("" without the recipe)
     head_found_by: str = ""
-    _fp8: Fp8Conversion | None = field(default=None, repr=False)
+    #: the conversions to fp8 or MX, one per recipe (a plan may name several)
+    _fp8: list[Fp8Conversion] = field(default_factory=list, repr=False)
     _removed: bool = field(default=False, repr=False)
 
     @property
     def fp8(self) -> dict[str, str]:
-        """Qualified name -> why it trains in fp8, for the Linear layers converted and still in place."""
-        return self._fp8.converted if self._fp8 is not None else {}
+        """Qualified name -> why it trains in fp8 (or MXFP8), for the Linear layers converted and still in place."""
+        return {name: why for conversion in self._fp8 for name, why in conversion.converted.items()}
 
     @property
     def fp8_skipped(self) -> dict[str, str]:
         """Layers ``fp8=`` picked that stay in float32 or the autocast dtype, with why."""
-        return dict(self._fp8.skipped) if self._fp8 is not None else {}
+        return {name: why for conversion in self._fp8 for name, why in conversion.skipped.items()}
 
     @property
     def fp8_recipe(self) -> str | None:
-        """The fp8 recipe ("tensorwise", "rowwise", "rowwise_with_gw_hp"), None without ``fp8=``."""
-        return self._fp8.recipe if self._fp8 is not None else None
+        """The fp8 recipe ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_with_gw_hp"), None
+        without ``fp8=``; a plan naming several: them joined by "+" (per layer: :attr:`fp8_recipes`)."""
+        return "+".join(c.recipe for c in self._fp8) if self._fp8 else None
+
+    @property
+    def fp8_recipes(self) -> dict[str, str]:
+        """Qualified name -> the recipe it trains in, for the converted layers still in place."""
+        return {name: conversion.recipe for conversion in self._fp8 for name in conversion.converted}
 
     @property
     def selected(self) -> dict[str, str]:
@@ -104,8 +112,8 @@ class PrecisionPolicy:
         policy still selects stays in float32; one that nothing selects any more gets its ``forward``
         back exactly as it was (or, where something wrapped it since, a wrapper that passes through).
         Each fp8 layer is replaced by its original Linear, holding the trained parameters."""
-        if self._fp8 is not None:
-            self._fp8.restore()
+        for conversion in reversed(self._fp8):
+            conversion.restore()
         for module, wrapper in self._held.values():
             wrapper.release(id(self))
             if not wrapper.holders and module.__dict__.get("forward") is wrapper:
@@ -128,7 +136,7 @@ class PrecisionPolicy:
 
     def __repr__(self) -> str:
         names = ", ".join(self.selected) or "none"
-        low = f"; fp8 ({self.fp8_recipe}): {', '.join(self.fp8) or 'none'}" if self._fp8 is not None else ""
+        low = f"; fp8 ({self.fp8_recipe}): {', '.join(self.fp8) or 'none'}" if self._fp8 else ""
         return f"<PrecisionPolicy fp32: {names}{low}{' (removed)' if self._removed else ''}>"
 
 
@@ -231,10 +239,10 @@ def precision_policy(
     _refuse_fp8_layers(chosen)
     policy = PrecisionPolicy(model, skipped=skipped, head_found_by=how)
     if fp8_selectors is not None and fp8_backend is not None:
-        policy._fp8 = convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
+        policy._fp8 = [convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
                               backend=fp8_backend, float32={id(m) for m, _ in chosen.values()},
                               head=head, example_inputs=example_inputs, all_gather=bool(fp8_all_gather),
-                              converters=converters)
+                              converters=converters)]
     for name, (module, reason) in chosen.items():
         wrapper = module.__dict__.get("forward")
         if not isinstance(wrapper, Fp32Forward):  # else another policy's: held by this one too
