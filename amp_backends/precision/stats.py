@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .fp32_forward import Fp32Forward
-from .formats import AXIS, OPERANDS, PLAN_FORMATS, TENSOR, check_formats, dtype_format, spec
+from .formats import AXIS, PLAN_FORMATS, TENSOR, check_formats, dtype_format, spec
 from .quantize import MX_BLOCK, figures
 from .selectors import Selector, check_selectors, select
 

@@ -19,7 +19,7 @@ from .mx import MX_RECIPES, MxConfig, shape_reason
 if TYPE_CHECKING:
     from ...backend import Backend
 
-__all__ = ["Fp8Conversion", "convert"]
+__all__ = ["Fp8Conversion", "convert", "layer_reason"]
 
 _FIRST = "the first Linear layer the model runs (the recipe keeps it in the autocast dtype)"
 _LAST = "the last Linear layer the model runs (the recipe keeps it in the autocast dtype)"
@@ -187,6 +187,11 @@ def convert(model: nn.Module, selectors: Sequence[Selector], *, recipe: str, emu
         conversion.unswap_all()
         raise
     return conversion
+
+
+def layer_reason(module: nn.Module, recipe: str) -> str | None:
+    """Why ``module`` cannot train in ``recipe`` (fp8 or MX) through a policy, or None."""
+    return _eligibility(module, {}, recipe)
 
 
 def _eligibility(module: nn.Module, converters: Mapping[type, Any], recipe: str) -> str | None:
