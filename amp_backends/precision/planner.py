@@ -212,7 +212,7 @@ def plan_precision(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any
         layer.format = within[0] if within else "fp32"
         over = [f"{f} {layer.errors[f]:.2e}" for f in usable[:usable.index(layer.format)] if f not in within] \
             if layer.format in usable else [f"{f} {layer.errors[f]:.2e}" for f in usable if f != "fp32"]
-        if within:
+        if within and not (layer.format == "fp32" and over):
             layer.reason = f"the cheapest format it may use within {budget:g} (error {layer.errors[layer.format]:.2e})"
             if over:
                 layer.reason += f"; over budget: {', '.join(over)}"
