@@ -14,9 +14,10 @@ keep.
   ``q * 2**(e - 127)`` (``get_fp_scale``).
 - bf16, fp16, fp32: the cast.
 
-The rounding to an fp8 grid is done with integer and float32 arithmetic (exact: the quantum is a power
-of two read from the value's exponent bits), so it runs on devices without float8 casts; it is tested
-bitwise against ``Tensor.to(torch.float8_e4m3fn)`` and against torchao's quantizers.
+The rounding to an fp8 grid is torch's float8 cast on CPUs and CUDA GPUs, and elsewhere integer and
+float32 arithmetic (:func:`round_fp8`, exact: the quantum is a power of two read from the value's
+exponent bits), for devices without float8 casts; both are tested bitwise against
+``Tensor.to(torch.float8_e4m3fn)`` and the whole quantizers against torchao's.
 
 The figures, per operand and format: ``numel``; ``underflow``, values not zero that quantize to zero;
 ``overflow``, values beyond the format's range before saturation (fp8, MX: ``|x * scale| > fmax``,
@@ -64,6 +65,19 @@ def round_fp8(y: torch.Tensor, element: str) -> torch.Tensor:
     return torch.copysign(torch.round(a / quantum) * quantum, y)
 
 
+#: Device types whose float8 casts are used for the rounding (the same values, one pass); others
+#: round with :func:`round_fp8`.
+_NATIVE_FP8 = ("cpu", "cuda")
+
+
+def _to_grid(y: torch.Tensor, element: str) -> torch.Tensor:
+    """``y`` rounded to the ``element`` grid: torch's float8 cast where the device has it, else :func:`round_fp8`."""
+    dtype = getattr(torch, "float8_e4m3fn" if element == "e4m3" else "float8_e5m2", None)
+    if dtype is not None and y.device.type in _NATIVE_FP8:
+        return y.to(dtype).float()
+    return round_fp8(y, element)
+
+
 def amax_to_scale(amax: torch.Tensor, element: str, pow2: bool) -> torch.Tensor:
     """torchao's ``amax_to_scale``: ``fmax / max(amax, 1e-12)`` in float32, floored to a power of two
     where ``pow2``."""
@@ -81,7 +95,7 @@ def _scaled(x: torch.Tensor, spec: Spec, axis: int) -> tuple[torch.Tensor, torch
     amax = x.abs().amax() if spec.kind == "tensorwise" else x.abs().amax(dim=axis, keepdim=True)
     scale = amax_to_scale(amax, spec.element, spec.pow2)
     y = x.float() * scale
-    q = round_fp8(torch.clamp(y, -fmax, fmax), spec.element)
+    q = _to_grid(torch.clamp(y, -fmax, fmax), spec.element)
     return q / scale, y.abs() > fmax, 1.0 / scale
 
 
@@ -95,7 +109,7 @@ def _mx(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     exponent = torch.clamp(torch.ceil(torch.log2(amax / fmax)), min=-127, max=127) + 127
     mult = torch.where(exponent == 0, torch.ones_like(exponent), torch.exp2(127 - exponent))
     y = blocks.float() * mult
-    q = round_fp8(torch.clamp(y, -fmax, fmax), "e4m3")
+    q = _to_grid(torch.clamp(y, -fmax, fmax), "e4m3")
     scale = torch.pow(torch.full_like(exponent, 2.0), exponent - 127)
     deq, over = (q * scale).reshape(rows.shape), (y.abs() > fmax).reshape(rows.shape)
     if rows is not x:

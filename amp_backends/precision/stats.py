@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .fp32_forward import Fp32Forward
-from .formats import AXIS, PLAN_FORMATS, TENSOR, check_formats, dtype_format, spec
+from .formats import AXIS, TENSOR, check_formats, dtype_format, spec
 from .quantize import MX_BLOCK, figures
 from .selectors import Selector, check_selectors, select
 
@@ -85,8 +85,9 @@ class QuantStats:
             self._formats_of[(step, name)] = own
             x2 = x.reshape(-1, x.shape[-1])
             weight = module.weight.detach()
+            done: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
             for operand in ("fwd.input", "fwd.weight", "dgrad.weight", "wgrad.input"):
-                self._measure(step, name, own, operand, x2 if TENSOR[operand] == "input" else weight)
+                self._measure(step, name, own, operand, x2 if TENSOR[operand] == "input" else weight, done)
             if isinstance(output, torch.Tensor) and output.requires_grad and torch.is_grad_enabled():
                 output.register_hook(self._grad_hook(step, name, own))
         return hook
@@ -94,18 +95,25 @@ class QuantStats:
     def _grad_hook(self, step: int, name: str, own: str) -> Any:
         def hook(grad: torch.Tensor) -> None:
             g = grad.detach().reshape(-1, grad.shape[-1])
+            done: dict[Any, tuple[torch.Tensor, torch.Tensor]] = {}
             for operand in ("dgrad.grad_output", "wgrad.grad_output"):
-                self._measure(step, name, own, operand, g)
+                self._measure(step, name, own, operand, g, done)
         return hook
 
-    def _measure(self, step: int, name: str, own: str, operand: str, t: torch.Tensor) -> None:
+    def _measure(self, step: int, name: str, own: str, operand: str, t: torch.Tensor,
+                 done: dict[Any, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The figures of ``t`` as ``operand`` in each format; ``done``: those of the same tensor already
+        measured, reused where the quantization does not depend on the axis (casts, one scale per tensor)."""
         axis = AXIS[operand]
         for fmt in dict.fromkeys((own, *self.formats)):
             s = spec(fmt, operand)
             if s.kind == "mx" and t.shape[axis] % MX_BLOCK:
                 continue  # the format cannot take this operand's shape
-            with torch.no_grad():
-                counts, values = figures(t, s, axis)
+            key = (id(t), s, None if s.kind in ("cast", "hp", "tensorwise") else axis)
+            if key not in done:
+                with torch.no_grad():
+                    done[key] = figures(t, s, axis)
+            counts, values = done[key]
             self._pending.append((step, name, operand, fmt, "own" if fmt == own else "", counts, values))
 
     # -- results ----------------------------------------------------------------------------
@@ -177,16 +185,17 @@ class QuantStats:
 
 
 def quant_stats(model: nn.Module, layers: Selector | Sequence[Selector] = (nn.Linear,), *,
-                formats: str | Sequence[str] = PLAN_FORMATS, every: int = 100) -> QuantStats:
+                formats: str | Sequence[str] = (), every: int = 100) -> QuantStats:
     """Measure, every ``every`` steps (forward calls of ``model``, the first one included), each matmul
     operand of the Linear layers ``layers`` selects (classes, name patterns, instances, predicates) in
-    the layer's own format and in ``formats`` (:data:`.formats.FORMATS`). Returns the
+    the layer's own format and in ``formats`` (:data:`.formats.FORMATS`; e.g.
+    :data:`.formats.PLAN_FORMATS`, the candidates a plan weighs). Returns the
     :class:`QuantStats` holding the hooks."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"quant_stats takes a torch.nn.Module, got {type(model).__name__}")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"quant_stats(every=...) takes a whole number of steps >= 1, got {every!r}")
-    fmts = check_formats(formats, "quant_stats(formats=...)")
+    fmts = check_formats(formats, "quant_stats(formats=...)") if formats not in ((), []) else ()
     chosen, _ = select(model, check_selectors(layers, "layers"), head=None, argument="layers")
     picked: dict[str, nn.Module] = {}
     for name, (module, _) in chosen.items():
