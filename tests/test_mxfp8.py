@@ -236,3 +236,69 @@ def test_importing_the_package_imports_no_torchao():
     print(json.dumps({"torchao": "torchao" in sys.modules}))
     """)
     assert out == {"torchao": False}
+
+
+# -- what each device declares (the device facts from torch's and torchao's sources) ---------------
+@pytest.mark.parametrize(("capability", "name", "said"), [
+    ((9, 0), "NVIDIA H100", "compute capability 9.0"), ((8, 9), "NVIDIA L4", "compute capability 8.9"),
+    ((12, 0), "NVIDIA GeForce RTX 5090", "compute capability 12.0"),
+])
+def test_cuda_declares_no_mxfp8_outside_compute_capability_10(monkeypatch, capability, name, said):
+    from test_accelerators import _patch_nvidia
+
+    from amp_backends_plugins import cuda as cuda_plugin
+
+    _patch_nvidia(monkeypatch, capability, name)
+    be = cuda_plugin.CUDABackend()
+    assert be.mx_formats() == () and said in be.mx_unavailable_reason() and "10.x" in be.mx_unavailable_reason()
+    with pytest.raises(Fp8UnavailableError, match=rf"backend 'cuda' \({name} .*{said}.*emulate=True"):
+        fp8_engine.check_device(be, "mxfp8", emulate=False)
+    fp8_engine.check_device(be, "mxfp8", emulate=True)  # emulated: any device
+
+
+def test_cuda_on_compute_capability_10_needs_torchaos_mx_kernels(monkeypatch):
+    """A B200 as torch reports it, with this machine's torchao (no CUDA build of its MX kernels, or none
+    at all): MXFP8 is not declared, and the reason names what the installed torchao lacks."""
+    from test_accelerators import _patch_nvidia
+
+    from amp_backends_plugins import cuda as cuda_plugin
+
+    _patch_nvidia(monkeypatch, (10, 0), "NVIDIA B200")
+    be = cuda_plugin.CUDABackend()
+    why = be.mx_unavailable_reason()
+    assert be.mx_formats() == () and why.startswith("cannot run torchao's MXFP8 layer")
+    assert ("mxfp8_quantize_cuda" in why and "Triton" in why) if NO_MX is None else "torchao" in why
+
+
+@pytest.mark.parametrize(("arch", "said"), [("gfx942:sramecc+:xnack-", "gfx942"), ("gfx90a", "gfx90a")])
+def test_rocm_declares_no_mxfp8_before_gfx950(monkeypatch, arch, said):
+    from test_accelerators import _patch_rocm
+
+    from amp_backends_plugins import cuda as cuda_plugin
+
+    _patch_rocm(monkeypatch, arch=arch)
+    be = cuda_plugin.CUDABackend()
+    assert be.mx_formats() == () and said in be.mx_unavailable_reason() and "gfx950" in be.mx_unavailable_reason()
+
+
+def test_a_torchao_without_the_mx_layer_is_refused_naming_the_version_to_install():
+    """A torchao whose MXFP8Linear cannot be imported (older than 0.18), simulated in a fresh
+    interpreter where torchao is installed."""
+    if fp8_engine.unavailable_reason() is not None:
+        pytest.skip(f"needs a usable torchao to hide its MX layer: {fp8_engine.unavailable_reason()}")
+    from conftest import run_json
+
+    out = run_json("""
+    import json, sys, torch, amp_backends
+    sys.modules["torchao.prototype.moe_training.mxfp8_linear"] = None   # an older torchao
+    try:
+        amp_backends.precision_policy(torch.nn.Sequential(torch.nn.Linear(32, 32)), fp32=[], fp8=[torch.nn.Linear],
+                                      fp8_recipe="mxfp8", emulate=True, backend="cpu")
+        error = None
+    except amp_backends.AmpBackendsError as exc:
+        error = type(exc).__name__ + ": " + str(exc)
+    fp8 = amp_backends.precision.fp8.engine.unavailable_reason()
+    print(json.dumps({"error": error, "fp8": fp8}))
+    """)
+    assert out["error"].startswith("Fp8UnavailableError: MXFP8 training needs torchao's MXFP8Linear")
+    assert "pip install 'torchao>=0.18'" in out["error"] and out["fp8"] is None  # float8 still works

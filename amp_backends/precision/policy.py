@@ -294,6 +294,8 @@ def _fp8_args(fp8: Any, recipe: Any, emulate: Any, backend: Any,
     be = resolve_backend(backend)
     engine.check_device(be, recipe, emulate)
     engine.engine()
+    if recipe in engine.MX_RECIPES:
+        engine.mx_layer_class()
     return selectors, be
 
 
