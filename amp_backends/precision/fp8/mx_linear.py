@@ -9,7 +9,9 @@ dtype (the float32 master weights), as torchao's real path does. Emulated (``Ker
 the casts are torchao's ``to_mx`` and the matmul runs on the dequantized operands in the weight's dtype
 (float32: the autocast-dtype input widened exactly), then is rounded to the autocast dtype; the real
 kernels (``torch._scaled_mm`` with e8m0 scales) take the autocast-dtype input and return bfloat16.
-Importing this module imports torchao (:func:`amp_backends.precision.fp8.engine.mx_layer_class`).
+Emulated, the layer runs eagerly inside a compiled model (``torch.compiler.disable``): torchao does not
+support compiling its emulated path, and compiled its casts give other values. Importing this module
+imports torchao (:func:`amp_backends.precision.fp8.engine.mx_layer_class`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class MxLinear(MXFP8Linear):
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.kernel_preference == KernelPreference.EMULATED:
+            return _eager(self, input)  # torchao does not support compiling its emulated MX path
+        return self._forward(input)
+
+    def _forward(self, input: torch.Tensor) -> torch.Tensor:
         device_type = input.device.type
         low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         x = input if low is None else input.to(low)
@@ -70,3 +77,10 @@ class MxLinear(MXFP8Linear):
         emulated = ", emulated" if self.config.emulate else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"recipe={self.config.recipe}{emulated}")
+
+
+@torch.compiler.disable
+def _eager(layer: MxLinear, input: torch.Tensor) -> torch.Tensor:
+    """The emulated layer's forward, run eagerly inside a compiled model: compiled, torchao 0.18's
+    emulated casts give other values than eager (its tests skip compiling the emulated recipe)."""
+    return layer._forward(input)
