@@ -264,3 +264,25 @@ def test_cli_check_plan_prints_reasons_and_json(tmp_path, capsys):
     assert "budget" in err and "Traceback" not in err
     assert main(["check", "bench:mlp", "--backend", "cpu", "--save", str(saved)]) == 2
     assert "go with --plan" in capsys.readouterr().err
+
+
+@needs_torchao
+def test_on_hardware_the_plan_keeps_layers_below_torchaos_break_even_out_of_fp8():
+    """Planned for a device that runs fp8 (the CPU backend declaring fp8 matmuls, as an H100's does) and
+    not emulated: a 64-wide layer is below torchao's break-even for tensorwise and rowwise, so it is not
+    planned in them (MXFP8 has no published break-even table, and this device declares no MX)."""
+    from amp_backends_plugins.cpu import CPUBackend
+
+    class Fp8Cpu(CPUBackend):
+        name = "cpu-fp8"
+
+        def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
+            return (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    model = _model()
+    x, y = _data()
+    plan = plan_precision(model, x[:64], lambda out: _loss(out, y[:64]), budget=0.1, backend=Fp8Cpu(), verify=False)
+    layer = plan.layers["2"]
+    assert "break-even for tensorwise" in layer.unavailable["fp8_tensorwise"]
+    assert "break-even for rowwise" in layer.unavailable["fp8_rowwise"]
+    assert "MXFP8" in layer.unavailable["mxfp8"] and layer.format == "bf16"

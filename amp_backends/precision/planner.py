@@ -14,7 +14,8 @@ largest relative error (``||approx - exact|| / ||exact||``) of its output, input
 gradient against float32. Each layer gets the first format in :data:`.formats.COST_ORDER` (cheapest
 first) whose error is at most ``budget`` and that it may use: 8-bit formats need a device that runs
 them (or ``emulate=True``), shapes they take, and are kept off the first and last Linear layers the
-model runs and the head (the recipe's rules); 16-bit formats other than the autocast dtype would need a
+model runs and the head (the recipe's rules), and, on hardware (not emulated), off layers below
+torchao's measured break-even for the recipe; 16-bit formats other than the autocast dtype would need a
 second autocast dtype and are measured only. float32 always qualifies. Each layer's share of the
 step's matmul FLOPs (forward and backward, counted by torch's FlopCounterMode) is recorded, and, where
 torchao is usable, the whole plan applied at once (emulated) is compared with float32 on the example
@@ -202,7 +203,8 @@ def plan_precision(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any
             if fmt in RECIPE_OF:
                 recipe = RECIPE_OF[fmt]
                 why = (rules.get(name) or unavailable.get(fmt) or layer_reason(module, recipe)
-                       or (tokens_reason(x.shape[0], recipe) if recipe in MX_RECIPES else None))
+                       or (tokens_reason(x.shape[0], recipe) if recipe in MX_RECIPES else None)
+                       or (None if emulate else engine.too_small(module, recipe)))
             elif fmt != "fp32" and fmt != own:
                 why = f"autocast runs {own}; {fmt} would need a second autocast dtype (measured only)"
             if why is not None:
