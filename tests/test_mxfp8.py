@@ -325,3 +325,17 @@ def test_compiled_model_with_emulated_mx_layers_equals_eager_bitwise():
     y0, g0 = run(model)
     y1, g1 = run(torch.compile(model))
     assert _bits(y0, y1) and all(_bits(a, b) for a, b in zip(g0, g1))
+
+
+@needs_mx
+def test_check_with_fp8_mxfp8_reports_the_mx_layers(capsys):
+    import json
+
+    from amp_backends.cli import main
+
+    assert main(["check", "bench:mlp", "--backend", "cpu", "--dtype", "bfloat16", "--fp8", "mxfp8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {row["name"]: row for row in data["rows"]}
+    assert rows["0"]["type"] == "MxLinear" and rows["0"]["fp8"] == "fp8 (mxfp8, emulated)"
+    assert rows["4"]["type"] == "Linear"  # 10 outputs
+    assert any("MXFP8 emulated: backend 'cpu' has no MXFP8 matmul" in n for n in data["notes"])

@@ -74,20 +74,22 @@ def main(target: str, backend: str | None, dtype: str | None, size: str, policy:
         model = model.to(dev)
         inputs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, inputs)
         handle = None
+        native = bool(be.fp8_dtypes()) if not (fp8 or "").startswith("mxfp8") else "mxfp8" in be.mx_formats()
         if policy == "recipe" or fp8:
             from ..precision.policy import RECIPE, precision_policy
 
             handle = precision_policy(model, fp32=RECIPE if policy == "recipe" else (), backend=be,
                                       example_inputs=inputs, fp8=[nn.Linear] if fp8 else None,
-                                      fp8_recipe=fp8 or "tensorwise", emulate=bool(fp8) and not be.fp8_dtypes())
+                                      fp8_recipe=fp8 or "tensorwise", emulate=bool(fp8) and not native)
         try:
             report = check_model(model, inputs, be, dtype, loss_fn=loss_fn, loss_scale=loss_scale)
         finally:
             if handle is not None:
                 handle.remove()
-        if fp8 and not be.fp8_dtypes():
-            report.notes.append(f"fp8 emulated: backend {be.name!r} has no fp8 matmul, so the figures are fp8's "
-                                "numerics, not its speed")
+        if fp8 and not native:
+            what = "MXFP8" if fp8.startswith("mxfp8") else "fp8"
+            report.notes.append(f"{what} emulated: backend {be.name!r} has no {what} matmul, so the figures are "
+                                f"{what}'s numerics, not its speed")
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--policy", choices=("none", "recipe"), default="none",
                        help="apply a precision policy first (recipe: norms and the head in float32)")
     check.add_argument("--loss-scale", type=float, default=None, help="judge fp16 underflow at this scale (default 65536)")
-    check.add_argument("--fp8", nargs="?", const="tensorwise", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    check.add_argument("--fp8", nargs="?", const="tensorwise",
+                       choices=("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_with_gw_hp"),
                        help="train the Linear layers that can in fp8 with this recipe (default tensorwise); emulated "
                             "where the device has no fp8 matmul (needs torchao: pip install 'amp-backends[fp8]')")
     check.add_argument("--plan", action="store_true",
