@@ -339,3 +339,23 @@ def test_check_with_fp8_mxfp8_reports_the_mx_layers(capsys):
     assert rows["0"]["type"] == "MxLinear" and rows["0"]["fp8"] == "fp8 (mxfp8, emulated)"
     assert rows["4"]["type"] == "Linear"  # 10 outputs
     assert any("MXFP8 emulated: backend 'cpu' has no MXFP8 matmul" in n for n in data["notes"])
+
+
+@needs_mx
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_mx_layers_train_under_ddp_and_fsdp2_as_by_hand(tmp_path, wrap):
+    """2 CPU ranks over gloo (tests/fp8_dist_worker.py with an MX recipe): after 4 AdamW steps the
+    parameters equal, bitwise, one MX model stepped with the ranks' gradients averaged by hand. The
+    batches are 8 tokens, so the recipe keeps the weight gradient in high precision; the 16-wide last
+    layer is left (MX blocks of 32)."""
+    import json
+
+    from test_distributed import HERE, torchrun
+
+    proc = torchrun(HERE / "fp8_dist_worker.py", "--wrap", wrap, "--recipe", "mxfp8_with_gw_hp", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in (json.loads((tmp_path / f"rank{n}.json").read_text()) for n in range(2)):
+        assert r["layers"] == ["MxLinear", "GELU", "MxLinear", "GELU", "Linear"] and r["converted"] == ["0", "2"]
+        assert r["grad_type"] == ("DTensor" if wrap == "fsdp2" else "Tensor")
+        assert r["equal_to_reference"], r["max_diff"]
+        assert r["identical_across_ranks"]
