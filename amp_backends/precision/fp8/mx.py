@@ -27,7 +27,8 @@ MX_ALIGN = 32
 #: Where MXFP8 training runs natively, as the backends declare it (docs/precision.md: the sources).
 MX_HARDWARE = ("NVIDIA GPUs of compute capability 10.x (B200, GB200, B300) with CUDA 12.8+, where torchao's MX "
                "cast kernels load (torch's MX matmul, _scaled_mm with e8m0 block scales, needs 10.0+); AMD Instinct "
-               "MI350/MI355 (gfx950, ROCm 7.0+) only with a torchao whose MXFP8 layer casts on ROCm (0.18's does not)")
+               "MI350/MI355 (gfx950) only with a torchao whose MXFP8 layer casts on ROCm (0.18's does not)")
+
 
 class MxConfig:
     """What the MX layer needs: the recipe, emulated or not."""
