@@ -230,3 +230,25 @@ def test_to_tensorboard_writes_every_figure(tmp_path):
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert set(acc.Tags()["scalars"]) == set(stats.scalars(got)[0])
+
+
+def test_a_layer_a_policy_holds_in_float32_reports_fp32_inside_autocast():
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    amp_backends.precision_policy(model, fp32=["2"])
+    stats = amp_backends.quant_stats(model, every=1)
+    with torch.autocast("cpu", torch.bfloat16):
+        model(torch.randn(32, 32)).float().sum().backward()
+    got = stats.read()[0]
+    assert got["0"]["format"] == "bf16" and got["2"]["format"] == "fp32"
+    assert set(got["2"]["operands"]["fwd.input"]) == {"fp32"}  # the own format only, by default
+    assert got["2"]["operands"]["fwd.input"]["fp32"]["mse"] == 0
+
+
+@pytest.mark.skipif(bool(__import__("importlib").util.find_spec("tensorboard")), reason="tensorboard is installed")
+def test_to_tensorboard_without_tensorboard_says_what_to_install(tmp_path):
+    model = nn.Sequential(nn.Linear(32, 32))
+    stats = amp_backends.quant_stats(model, every=1)
+    model(torch.randn(32, 32))
+    with pytest.raises(ImportError, match="pip install tensorboard, or use read"):
+        stats.to_tensorboard(str(tmp_path))
+    assert 0 in stats.read()  # nothing was lost
