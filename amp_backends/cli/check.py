@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map
 from ..inspector.check import check_model
 from ..errors import AmpBackendsError
 
-__all__ = ["load_target", "main"]
+__all__ = ["load_target", "main", "plan_main"]
 
 
 def load_target(target: str, size: str = "small") -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor] | None]:
@@ -74,24 +74,62 @@ def main(target: str, backend: str | None, dtype: str | None, size: str, policy:
         model = model.to(dev)
         inputs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, inputs)
         handle = None
+        native = bool(be.fp8_dtypes()) if not (fp8 or "").startswith("mxfp8") else "mxfp8" in be.mx_formats()
         if policy == "recipe" or fp8:
             from ..precision.policy import RECIPE, precision_policy
 
             handle = precision_policy(model, fp32=RECIPE if policy == "recipe" else (), backend=be,
                                       example_inputs=inputs, fp8=[nn.Linear] if fp8 else None,
-                                      fp8_recipe=fp8 or "tensorwise", emulate=bool(fp8) and not be.fp8_dtypes())
+                                      fp8_recipe=fp8 or "tensorwise", emulate=bool(fp8) and not native)
         try:
             report = check_model(model, inputs, be, dtype, loss_fn=loss_fn, loss_scale=loss_scale)
         finally:
             if handle is not None:
                 handle.remove()
-        if fp8 and not be.fp8_dtypes():
-            report.notes.append(f"fp8 emulated: backend {be.name!r} has no fp8 matmul, so the figures are fp8's "
-                                "numerics, not its speed")
+        if fp8 and not native:
+            what = "MXFP8" if fp8.startswith("mxfp8") else "fp8"
+            report.notes.append(f"{what} emulated: backend {be.name!r} has no {what} matmul, so the figures are "
+                                f"{what}'s numerics, not its speed")
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(report.table())
         print()
         print(f"{be.name}, {report.dtype}: {report.summary}")
+    return 0
+
+
+def plan_main(target: str, backend: str | None, dtype: str | None, size: str, budget: float, emulate: bool,
+              save: str | None, as_json: bool) -> int:
+    """``amp-backends check --plan``: the per-layer precision plan, as a table with reasons or JSON."""
+    import contextlib
+    import json
+    import sys
+
+    from ..precision.formats import dtype_format
+    from ..precision.planner import plan_precision
+    from ..registry.registry import resolve_backend
+
+    be = resolve_backend(backend)
+    low = be.default_dtype if dtype is None else getattr(torch, dtype, None)
+    if not isinstance(low, torch.dtype) or low not in (torch.bfloat16, torch.float16):
+        raise AmpBackendsError(f"--dtype {dtype!r}: a plan is for autocast in bfloat16 or float16")
+    with contextlib.redirect_stdout(sys.stderr):
+        model, inputs, loss_fn = load_target(target, size)
+        dev = be.device()
+        model = model.to(dev)
+        inputs = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, inputs)
+        try:
+            plan = plan_precision(model, inputs, loss_fn, budget=budget, dtype=dtype_format(low), emulate=emulate,
+                                  backend=be)
+        except ValueError as exc:
+            raise AmpBackendsError(f"--plan: {exc}") from None
+    if save:
+        plan.save(save)
+    if as_json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(plan.table())
+        if save:
+            print(f"saved to {save}: apply with amp_backends.precision_policy(model, plan={save!r})")
     return 0

@@ -78,9 +78,19 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--policy", choices=("none", "recipe"), default="none",
                        help="apply a precision policy first (recipe: norms and the head in float32)")
     check.add_argument("--loss-scale", type=float, default=None, help="judge fp16 underflow at this scale (default 65536)")
-    check.add_argument("--fp8", nargs="?", const="tensorwise", choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    check.add_argument("--fp8", nargs="?", const="tensorwise",
+                       choices=("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_with_gw_hp"),
                        help="train the Linear layers that can in fp8 with this recipe (default tensorwise); emulated "
                             "where the device has no fp8 matmul (needs torchao: pip install 'amp-backends[fp8]')")
+    check.add_argument("--plan", action="store_true",
+                       help="measure each Linear layer in every candidate format and print the per-layer precision "
+                            "plan within --budget, with each choice's reason (--json: per layer its format and each "
+                            "candidate's measured error)")
+    check.add_argument("--budget", type=float, default=0.05,
+                       help="with --plan: the largest relative error a layer's output and gradients may have (0.05)")
+    check.add_argument("--emulate", action="store_true",
+                       help="with --plan: 8-bit formats may be planned on a device without them (their numerics)")
+    check.add_argument("--save", metavar="PATH", help="with --plan: save the plan as JSON (precision_policy(plan=PATH))")
     check.add_argument("--json", action="store_true")
     return parser
 
@@ -187,6 +197,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "check":
         from .check import main as check_main
 
+        if args.plan:
+            from .check import plan_main
+
+            return plan_main(args.target, args.backend, args.dtype, args.size, args.budget, args.emulate, args.save,
+                             args.json)
+        if args.save or args.emulate:
+            raise AmpBackendsError("--save and --emulate go with --plan (amp-backends check --plan TARGET ...)")
         return check_main(args.target, args.backend, args.dtype, args.size, args.policy, args.loss_scale, args.json,
                           fp8=args.fp8)
     return 2  # pragma: no cover - argparse rejects unknown commands

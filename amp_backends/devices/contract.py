@@ -23,12 +23,16 @@ from . import autocast_lists as autocast_lists_
 from .autocast_lists import AutocastLists
 from .collectives import Collectives
 
-__all__ = ["FP8_RECIPES", "Device", "dtype_name"]
+__all__ = ["FP8_RECIPES", "MX_FORMATS", "Device", "dtype_name"]
 
 #: torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``): per-tensor dynamic
 #: scaling (fastest), per-row scaling with power-of-two scales, and per-row with the weight gradient
 #: kept in high precision (most accurate).
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+#: The microscaling formats a device may declare (:meth:`Device.mx_formats`): MXFP8, trained through
+#: torchao's MX layer (e4m3 elements, one power-of-two e8m0 scale per block of 32 along each matmul's
+#: reduction dimension).
+MX_FORMATS = ("mxfp8",)
 
 
 class Device:
@@ -200,6 +204,18 @@ class Device:
         or None (the default) for torchao's ``Float8Linear``. A vendor layer must keep ``linear``'s
         parameter objects under the same names (``weight``, ``bias``) and set ``is_fp8 = True`` on its
         class."""
+        return None
+
+    # -- MX formats (declare; a precision policy's fp8_recipe="mxfp8" uses it) ----------------
+    def mx_formats(self) -> tuple[str, ...]:
+        """The microscaling formats (:data:`MX_FORMATS`) the device trains in natively through torchao's
+        MX layer: ``("mxfp8",)`` where its matmuls take MXFP8 (e4m3 elements, one e8m0 scale per 32)
+        and the installed torch and torchao run them; () where none (the default)."""
+        return ()
+
+    def mx_unavailable_reason(self) -> str | None:
+        """Why MXFP8 training cannot run on this device, naming what the chip or the installed torch and
+        torchao lack, or None: the generic reason is used."""
         return None
 
     # -- an iteration's start ---------------------------------------------------------------

@@ -13,12 +13,15 @@ the recipes ask for is the preset :data:`RECIPE`: normalisation layers and the f
 head in float32. Policies compose: several may select the same module, and any order of
 :meth:`PrecisionPolicy.remove` leaves exactly the remaining ones' selection.
 
-``fp8=`` selects Linear layers to train in fp8 (torchao's float8 training, :mod:`amp_backends.precision.fp8.engine`);
-per module, float32 beats fp8, which beats the autocast dtype.
+``fp8=`` selects Linear layers to train in fp8 (torchao's float8 training, :mod:`amp_backends.precision.fp8.engine`,
+or MXFP8 with ``fp8_recipe="mxfp8"``: :mod:`amp_backends.precision.fp8.mx`); per module, float32 beats fp8,
+which beats the autocast dtype. ``plan=`` applies a :class:`~amp_backends.precision.plan.PrecisionPlan`: each
+layer it names in float32, the autocast dtype, or an fp8 or MX recipe.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +32,7 @@ from torch import nn
 
 from .fp32_forward import Fp32Forward
 from .fp8.convert import Fp8Conversion, convert
+from .plan import PrecisionPlan
 from .selectors import NORM_TYPES, RECIPE, Selector, check_selectors, recipe_head, select
 
 if TYPE_CHECKING:
@@ -63,23 +67,32 @@ class PrecisionPolicy:
     skipped: dict[str, str] = field(default_factory=dict)
     #: how the recipe found the head ("" without the recipe)
     head_found_by: str = ""
-    _fp8: Fp8Conversion | None = field(default=None, repr=False)
+    #: the conversions to fp8 or MX, one per recipe (a plan may name several)
+    _fp8: list[Fp8Conversion] = field(default_factory=list, repr=False)
+    #: the plan applied (``plan=``), None without one
+    plan: PrecisionPlan | None = field(default=None, repr=False)
     _removed: bool = field(default=False, repr=False)
 
     @property
     def fp8(self) -> dict[str, str]:
-        """Qualified name -> why it trains in fp8, for the Linear layers converted and still in place."""
-        return self._fp8.converted if self._fp8 is not None else {}
+        """Qualified name -> why it trains in fp8 (or MXFP8), for the Linear layers converted and still in place."""
+        return {name: why for conversion in self._fp8 for name, why in conversion.converted.items()}
 
     @property
     def fp8_skipped(self) -> dict[str, str]:
         """Layers ``fp8=`` picked that stay in float32 or the autocast dtype, with why."""
-        return dict(self._fp8.skipped) if self._fp8 is not None else {}
+        return {name: why for conversion in self._fp8 for name, why in conversion.skipped.items()}
 
     @property
     def fp8_recipe(self) -> str | None:
-        """The fp8 recipe ("tensorwise", "rowwise", "rowwise_with_gw_hp"), None without ``fp8=``."""
-        return self._fp8.recipe if self._fp8 is not None else None
+        """The fp8 recipe ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_with_gw_hp"), None
+        without ``fp8=``; a plan naming several: them joined by "+" (per layer: :attr:`fp8_recipes`)."""
+        return "+".join(c.recipe for c in self._fp8) if self._fp8 else None
+
+    @property
+    def fp8_recipes(self) -> dict[str, str]:
+        """Qualified name -> the recipe it trains in, for the converted layers still in place."""
+        return {name: conversion.recipe for conversion in self._fp8 for name in conversion.converted}
 
     @property
     def selected(self) -> dict[str, str]:
@@ -104,8 +117,8 @@ class PrecisionPolicy:
         policy still selects stays in float32; one that nothing selects any more gets its ``forward``
         back exactly as it was (or, where something wrapped it since, a wrapper that passes through).
         Each fp8 layer is replaced by its original Linear, holding the trained parameters."""
-        if self._fp8 is not None:
-            self._fp8.restore()
+        for conversion in reversed(self._fp8):
+            conversion.restore()
         for module, wrapper in self._held.values():
             wrapper.release(id(self))
             if not wrapper.holders and module.__dict__.get("forward") is wrapper:
@@ -128,7 +141,7 @@ class PrecisionPolicy:
 
     def __repr__(self) -> str:
         names = ", ".join(self.selected) or "none"
-        low = f"; fp8 ({self.fp8_recipe}): {', '.join(self.fp8) or 'none'}" if self._fp8 is not None else ""
+        low = f"; fp8 ({self.fp8_recipe}): {', '.join(self.fp8) or 'none'}" if self._fp8 else ""
         return f"<PrecisionPolicy fp32: {names}{low}{' (removed)' if self._removed else ''}>"
 
 
@@ -201,6 +214,7 @@ def precision_policy(
     backend: Any = None,
     device_types: str | Sequence[str] = (),
     example_inputs: Any = None,
+    plan: PrecisionPlan | str | os.PathLike[str] | None = None,
 ) -> PrecisionPolicy:
     """Run the modules ``fp32`` selects in float32 inside autocast, and train the Linear layers ``fp8``
     selects in fp8; returns a handle to remove both.
@@ -225,13 +239,23 @@ def precision_policy(
     buffers under the same names (``fp8_linear(linear, cls=None)`` builds the policy's fp8 layer for a
     Linear's weight and bias; docs/fp8.md).
 
+    ``plan``: a :class:`~amp_backends.precision.plan.PrecisionPlan` (or the path of one saved as JSON):
+    its float32 layers join ``fp32``'s selection and its 8-bit layers train in their recipes (``emulate``
+    as for ``fp8=``); not with ``fp8=``. Every layer the plan puts in 8 bits must convert, or nothing
+    changes.
+
     Anything that cannot work is refused before anything changes: a selector matching nothing, a
     predicate that raises, fp8 on a device without it or without torchao."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"precision_policy takes a torch.nn.Module, got {type(model).__name__}")
     selectors = check_selectors(fp32)
     types = _device_types(device_types)
-    fp8_selectors, fp8_backend = _fp8_args(fp8, fp8_recipe, emulate, backend, fp8_all_gather)
+    plan, plan_fp32, plan_fp8 = _plan_args(model, plan, fp8, fp8_recipe, fp8_all_gather)
+    selectors = selectors + plan_fp32
+    fp8_selectors, fp8_backend = (_fp8_args(fp8, fp8_recipe, emulate, backend, fp8_all_gather) if plan is None
+                                  else (None, None))
+    if plan_fp8:
+        fp8_backend = _plan_backend(plan_fp8, emulate, backend)
     converters = _fp8_converters(fp8, fp8_convert)
     extra = _backend_ops(backend) if backend is not None else []
     head, how = (None, "")
@@ -243,12 +267,15 @@ def precision_policy(
     if backend is not None:
         _say_what_autocast_would_do(chosen, backend)
     _refuse_fp8_layers(chosen)
-    policy = PrecisionPolicy(model, skipped=skipped, head_found_by=how)
+    policy = PrecisionPolicy(model, skipped=skipped, head_found_by=how, plan=plan)
     if fp8_selectors is not None and fp8_backend is not None:
-        policy._fp8 = convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
+        policy._fp8 = [convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
                               backend=fp8_backend, float32={id(m) for m, _ in chosen.values()},
                               head=head, example_inputs=example_inputs, all_gather=bool(fp8_all_gather),
-                              converters=converters)
+                              converters=converters)]
+    if plan_fp8:
+        policy._fp8 = _convert_planned(model, plan_fp8, emulate=bool(emulate), backend=fp8_backend,
+                                       float32={id(m) for m, _ in chosen.values()}, converters=converters)
     for name, (module, reason) in chosen.items():
         wrapper = module.__dict__.get("forward")
         if not isinstance(wrapper, Fp32Forward):  # else another policy's: held by this one too
@@ -281,7 +308,64 @@ def _fp8_args(fp8: Any, recipe: Any, emulate: Any, backend: Any,
     be = resolve_backend(backend)
     engine.check_device(be, recipe, emulate)
     engine.engine()
+    if recipe in engine.MX_RECIPES:
+        engine.mx_layer_class()
     return selectors, be
+
+
+def _plan_args(model: nn.Module, plan: Any, fp8: Any, recipe: Any,
+               all_gather: Any) -> tuple[PrecisionPlan | None, list[Selector], dict[str, list[nn.Module]]]:
+    """The plan (loaded where a path), checked against ``model``; its float32 layers as selectors and
+    its 8-bit layers by recipe."""
+    if plan is None:
+        return None, [], {}
+    if isinstance(plan, (str, os.PathLike)):
+        plan = PrecisionPlan.load(plan)
+    if not isinstance(plan, PrecisionPlan):
+        raise TypeError(f"precision_policy(plan=...) takes a PrecisionPlan or the path of one saved as JSON, got "
+                        f"{type(plan).__name__}")
+    if fp8 is not None or recipe != "tensorwise" or all_gather:
+        raise ValueError("precision_policy: plan= names each layer's format itself; pass either plan= or fp8= (with "
+                         "fp8_recipe, fp8_all_gather), not both (nothing changed)")
+    layers = plan.check(model)
+    fp32_layers: list[Selector] = [layers[n] for n, lp in plan.layers.items() if lp.format == "fp32"]
+    return plan, fp32_layers, {recipe: [layers[n] for n in names] for recipe, names in plan.recipes().items()}
+
+
+def _plan_backend(by_recipe: dict[str, list[nn.Module]], emulate: Any, backend: Any) -> Backend:
+    """The backend a plan's 8-bit layers train on, checked for each recipe (device, torchao)."""
+    from ..registry.registry import resolve_backend
+    from ..scaler.validation import flag
+    from .fp8 import engine
+
+    emulate = flag("emulate", emulate)
+    be = resolve_backend(backend)
+    for recipe in by_recipe:
+        engine.check_device(be, recipe, emulate)
+    engine.engine()
+    if any(r in engine.MX_RECIPES for r in by_recipe):
+        engine.mx_layer_class()
+    return be
+
+
+def _convert_planned(model: nn.Module, by_recipe: dict[str, list[nn.Module]], *, emulate: bool, backend: Backend,
+                     float32: set[int], converters: Mapping[type, Callable[..., Any]]) -> list[Fp8Conversion]:
+    """Convert each recipe's planned layers; all of them, or nothing changes."""
+    done: list[Fp8Conversion] = []
+    try:
+        for recipe, modules in by_recipe.items():
+            conversion = convert(model, modules, recipe=recipe, emulate=emulate, backend=backend, float32=float32,
+                                 head=None, example_inputs=None, converters=converters)
+            done.append(conversion)
+            if conversion.skipped:
+                raise ValueError("precision_policy(plan=...): " + "; ".join(
+                    f"{name!r} cannot train in {recipe}: {why}" for name, why in conversion.skipped.items())
+                    + ": edit the plan (that layer's format) or the fp32 selection (nothing changed)")
+    except BaseException:
+        for conversion in reversed(done):
+            conversion.restore()
+        raise
+    return done
 
 
 def _fp8_converters(fp8: Any, fp8_convert: Any) -> dict[type, Callable[..., Any]]:

@@ -14,11 +14,12 @@ from ..selectors import RECIPE, Selector, select, strip
 from . import engine as fp8
 from .carry import carry_hooks, swap_in, swap_out, swap_reason
 from .eligible import state_names
+from .mx import MX_RECIPES, MxConfig, shape_reason
 
 if TYPE_CHECKING:
     from ...backend import Backend
 
-__all__ = ["Fp8Conversion", "convert"]
+__all__ = ["Fp8Conversion", "convert", "layer_reason"]
 
 _FIRST = "the first Linear layer the model runs (the recipe keeps it in the autocast dtype)"
 _LAST = "the last Linear layer the model runs (the recipe keeps it in the autocast dtype)"
@@ -121,6 +122,12 @@ class Fp8Layer:
 
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"fp8_linear(linear) takes an nn.Linear, got {type(linear).__name__}")
+        if isinstance(self._config, MxConfig):  # MXFP8: torchao's MX layer (a vendor's fp8_linear is float8's)
+            base = fp8.mx_layer_class()
+            if cls is not None and not (isinstance(cls, type) and issubclass(cls, base)):
+                raise TypeError("fp8_linear(linear, cls=...) with an MX recipe takes a subclass of "
+                                f"amp_backends.precision.fp8.mx_linear.MxLinear, got {cls!r}")
+            return (cls or base).from_linear(linear, self._config)
         if cls is None:
             layer = self._backend.fp8_linear(linear, self._config)
             if layer is not None:
@@ -182,6 +189,19 @@ def convert(model: nn.Module, selectors: Sequence[Selector], *, recipe: str, emu
     return conversion
 
 
+def layer_reason(module: nn.Module, recipe: str) -> str | None:
+    """Why ``module`` cannot train in ``recipe`` (fp8 or MX) through a policy, or None."""
+    return _eligibility(module, {}, recipe)
+
+
+def _eligibility(module: nn.Module, converters: Mapping[type, Any], recipe: str) -> str | None:
+    """Why ``module`` cannot train in ``recipe`` (the fp8 layer's rules, and MX's shapes), or None."""
+    why = fp8.eligibility(module, converters)
+    if why is None and recipe in MX_RECIPES:
+        why = shape_reason(module, recipe)
+    return why
+
+
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module | None, str]:
     """The submodule of ``module`` holding the parameter ``name`` ("lora.0.weight"), and its own name there."""
     *path, leaf = name.split(".")
@@ -234,14 +254,14 @@ def _plan(model: nn.Module, selectors: Sequence[Selector], recipe: str, float32:
             module = model.get_submodule(name)
             why_not = (_FLOAT32 if id(module) in float32 else ends.get(name)
                        or (_HEAD if head is not None and strip(name) == head else None)
-                       or fp8.eligibility(module, converters) or fp8.too_small(module, recipe))
+                       or _eligibility(module, converters, recipe) or fp8.too_small(module, recipe))
             if why_not is not None:
                 skipped[name] = why_not
             else:
                 chosen[name] = (module, "recipe: a Linear layer")
     plan = {}
     for name, (module, reason) in chosen.items():
-        why_not = _FLOAT32 if id(module) in float32 else fp8.eligibility(module, converters)
+        why_not = _FLOAT32 if id(module) in float32 else _eligibility(module, converters, recipe)
         if why_not is None:
             plan[name] = (module, reason)
         else:

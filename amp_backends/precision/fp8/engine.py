@@ -22,11 +22,15 @@ from torch import nn
 
 from ...backend import FP8_RECIPES, Backend
 from ...errors import AmpBackendsError, first_line
+from .mx import MX_HARDWARE, MX_RECIPES, MxConfig
 
-__all__ = ["FP8_HARDWARE", "RECIPES", "Fp8UnavailableError", "eligibility", "engine", "unavailable_reason"]
+__all__ = ["ALL_RECIPES", "FP8_HARDWARE", "RECIPES", "Fp8UnavailableError", "eligibility", "engine",
+           "mx_kernels_reason", "mx_layer_class", "mx_unavailable_reason", "unavailable_reason"]
 
 #: torchao's float8 training recipes (see :data:`amp_backends.backend.FP8_RECIPES`).
 RECIPES = FP8_RECIPES
+#: Every recipe ``fp8_recipe=`` takes: torchao's float8 recipes and the MX ones (:mod:`.mx`).
+ALL_RECIPES = FP8_RECIPES + MX_RECIPES
 #: The hardware whose matmuls take fp8 through torch._scaled_mm in torchao's recipes, as the backends
 #: declare it (docs/fp8.md: the sources, and which of them ran on the hardware).
 FP8_HARDWARE = ("NVIDIA GPUs of compute capability 8.9 and newer (Ada: L4, L40S, RTX 40xx; Hopper: H100, H200; "
@@ -126,8 +130,8 @@ def unavailable_reason() -> str | None:
 
 
 def check_recipe(recipe: Any) -> str:
-    if not isinstance(recipe, str) or recipe not in RECIPES:
-        raise ValueError(f"precision_policy(fp8_recipe=...) takes one of {', '.join(map(repr, RECIPES))}, "
+    if not isinstance(recipe, str) or recipe not in ALL_RECIPES:
+        raise ValueError(f"precision_policy(fp8_recipe=...) takes one of {', '.join(map(repr, ALL_RECIPES))}, "
                          f"got {recipe!r}")
     return recipe
 
@@ -145,6 +149,13 @@ def check_device(be: Backend, recipe: str, emulate: bool) -> None:
     if emulate:
         return
     where = be.describe() or f"the {be.device_type!r} device"
+    if recipe in MX_RECIPES:
+        if "mxfp8" not in be.mx_formats():
+            raise Fp8UnavailableError(
+                f"backend {be.name!r} ({where}) {be.mx_unavailable_reason() or 'has no MXFP8 matmul'}: MXFP8 training "
+                f"runs on {MX_HARDWARE}. emulate=True runs MXFP8's numerics with high-precision matmuls, for tests "
+                "only (slower than bf16)")
+        return
     if not be.fp8_dtypes() or not be.fp8_recipes():
         raise Fp8UnavailableError(
             f"backend {be.name!r} ({where}) {device_reason(be)}: fp8 training runs on {FP8_HARDWARE}. "
@@ -167,6 +178,8 @@ def config(recipe: str, emulate: bool, all_gather: bool = False) -> Any:
     (``enable_fsdp_float8_all_gather``) or not."""
     import dataclasses
 
+    if recipe in MX_RECIPES:
+        return MxConfig(recipe, emulate)
     made = engine().Float8LinearConfig.from_recipe_name(recipe)
     if emulate or all_gather:
         made = dataclasses.replace(made, emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
@@ -211,6 +224,8 @@ def eligibility(module: nn.Module, converters: Any = None) -> str | None:
 def too_small(module: nn.Linear, recipe: str) -> str | None:
     """Why the recipe leaves ``module`` in the autocast dtype for speed (torchao's measured thresholds)."""
     n, k = module.weight.shape
+    if recipe not in _TOO_SMALL:  # MXFP8: torchao publishes no break-even table
+        return None
     rule, said = _TOO_SMALL[recipe]
     return (f"N={n}, K={k}: below torchao's measured break-even for {recipe} ({said}; H100 tables)"
             if rule(n, k) else None)
@@ -296,3 +311,63 @@ def as_linear(model: nn.Module) -> Iterator[list[str]]:
     finally:
         for layer, plain in swapped:
             swap(model, plain, layer)
+
+
+_LAYER: dict[str, Any] = {}
+
+
+def mx_layer_class() -> type:
+    """The MX layer class (:class:`.mx_linear.MxLinear`), imported once; Fp8UnavailableError naming the
+    torchao to install where the installed one has no MX training layer."""
+    if "cls" in _LAYER:
+        return _LAYER["cls"]
+    engine()  # a usable torchao first: the same refusal as fp8's
+    if "error" in _LAYER:
+        raise Fp8UnavailableError(_LAYER["error"])
+    try:
+        with _quiet_import():
+            from .mx_linear import MxLinear
+    except Exception as exc:  # noqa: BLE001 - an older torchao lacks the module, or parts of it
+        version = torchao_version() or "?"
+        _LAYER["error"] = (f"MXFP8 training needs torchao's MXFP8Linear (torchao.prototype.moe_training.mxfp8_linear, "
+                           f"torchao 0.18); the installed torchao {version} has none ({type(exc).__name__}: "
+                           f"{first_line(exc)[:120]}): pip install 'torchao>=0.18' (tested: {TESTED})")
+        raise Fp8UnavailableError(_LAYER["error"]) from None
+    _LAYER["cls"] = MxLinear
+    return MxLinear
+
+
+def mx_unavailable_reason() -> str | None:
+    """Why MXFP8 training cannot run in this environment (no usable torchao, or one without the MX
+    layer), or None."""
+    try:
+        mx_layer_class()
+    except Fp8UnavailableError as exc:
+        return str(exc)
+    return None
+
+
+def mx_kernels_reason() -> str | None:
+    """Why the installed torchao's MX layer cannot run its real (non-emulated) kernels on this machine,
+    or None where it can. torchao 0.18's ``MXFP8Linear`` casts along dim 0 with a Triton kernel
+    (``mx_formats/kernels.py``: ``_triton_kernels_available``: triton, CUDA capability >= 10.0 and CUDA
+    >= 12.8, or ROCm on MI350) and along dim 1 with its CUDA kernel (``_to_mxfp8_then_scaled_mm`` fixes
+    ``MXFP8Dim1CastKernelChoice.CUDA``; ``_mxfp8_cuda_kernels_available``: CUDA capability >= 10.0 and
+    CUDA >= 12.8, with torchao built for it); without them its first forward raises ``needs triton``
+    or ``mxfp8_quantize_cuda needs ...``."""
+    reason = mx_unavailable_reason()
+    if reason is not None:
+        return reason
+    with _quiet_import():
+        from torchao.prototype.mx_formats import kernels
+    missing = []
+    if not getattr(kernels, "_triton_kernels_available", False):
+        missing.append("its Triton MX cast kernels (triton with CUDA capability 10.0+ and CUDA 12.8+, or ROCm on "
+                       "gfx950) are not available")
+    if not getattr(kernels, "_mxfp8_cuda_kernels_available", False):
+        missing.append("its CUDA MXFP8 cast kernel (mxfp8_quantize_cuda: CUDA capability 10.0+, CUDA 12.8+, torchao "
+                       "built for it), which torchao's MXFP8Linear uses for every dim-1 cast, is not available")
+    if not missing:
+        return None
+    version = torchao_version() or "?"
+    return f"torchao {version}: " + "; ".join(missing)

@@ -127,6 +127,33 @@ class CUDABackend(Backend):
                     "(_scaled_mm_allowed_device)")
         return "has no fp8 matmul through torch: " + rocm_fp8_refusal(gcn_arch(), rocm_version())
 
+    def mx_formats(self) -> tuple[str, ...]:
+        """MXFP8 where the chip's matmuls take it and the installed torchao runs its MX layer's real
+        kernels: NVIDIA compute capability 10.x (torch's ``_scaled_mm`` with e8m0 block scales needs
+        sm100; torchao 0.18's MX casts need capability 10.0+ and CUDA 12.8+); AMD gfx950 (MI350/MI355)
+        only where torchao's MX cast kernels load on ROCm (:func:`amp_backends.precision.fp8.engine.mx_kernels_reason`).
+        Read from torch's and torchao's sources, not run on such a GPU here."""
+        return ("mxfp8",) if self.is_available() and self.mx_unavailable_reason() is None else ()
+
+    def mx_unavailable_reason(self) -> str | None:
+        """Why this GPU, or the installed torch and torchao, cannot train in MXFP8 (None where it can)."""
+        if not self.is_available():
+            return None
+        if rocm_version() is not None:
+            arch = gcn_arch() or "unknown architecture"
+            if not arch.startswith("gfx950"):
+                return (f"has no MXFP8 matmul: {torch.cuda.get_device_name()} is {arch}; AMD's MX matmuls are on "
+                        "gfx950 (MI350/MI355)")
+        else:
+            major, minor = torch.cuda.get_device_capability()
+            if major != 10:
+                return (f"has no MXFP8 matmul: compute capability {major}.{minor}; torch's _scaled_mm takes e8m0 "
+                        "block scales on 10.x (B200, GB200, B300)")
+        from amp_backends.precision.fp8.engine import mx_kernels_reason
+
+        why = mx_kernels_reason()
+        return None if why is None else f"cannot run torchao's MXFP8 layer: {why}"
+
     def describe(self) -> str | None:
         """"NVIDIA H100 (CUDA 12.8, compute capability 9.0)" or "AMD Instinct MI300X (ROCm 6.2, gfx942)"."""
         if not self.is_available():
