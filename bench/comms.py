@@ -115,7 +115,9 @@ def _rank(rank: int, init: str, steps: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         result = {"ddp": {c: _ddp(c, rank, steps) for c in ("fp32", "bf16", "fp16+scaler", "fp16+scaler 2^24")}}
-        if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6):
+        from amp_backends.distributed.sharding import _can_divide_then_sum
+
+        if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6) and _can_divide_then_sum():
             result["fsdp2"] = {c: _fsdp(c, rank, steps) for c in ("fp32", "bf16 weights", "bf16 reduce")}
         Path(out, f"{rank}.json").write_text(json.dumps(result))
     finally:

@@ -13,7 +13,7 @@ import torch
 
 import amp_backends
 from amp_backends.devices import collectives
-from amp_backends.distributed import CollectiveError, library_of
+from amp_backends.distributed import CollectiveError, library_of, sharding
 from test_distributed import torchrun
 
 HERE = Path(__file__).resolve().parent
@@ -140,6 +140,10 @@ def test_every_builtin_backend_declares_its_library():
 
 needs_cpu_fsdp2 = pytest.mark.skipif(
     _TORCH < (2, 6), reason="FSDP2 on CPU (gloo) needs torch 2.6+: torch 2.4's fully_shard creates CUDA streams")
+needs_divide_then_sum = pytest.mark.skipif(
+    _TORCH >= (2, 6) and not sharding._can_divide_then_sum(),
+    reason=f"torch {torch.__version__}'s fully_shard has no custom reduce-scatter (set_custom_reduce_scatter, "
+           "set_force_sum_reduction_for_comms): it reduces with gloo's AVG, which shard_in_low_precision refuses")
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +155,7 @@ def fsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @needs_cpu_fsdp2
+@needs_divide_then_sum
 def test_fsdp2_policy_matches_hand_written_policies_bitwise(fsdp_ranks):
     """bf16 weights, the recipe's norm and head in float32 with their own float32 policy, gradients
     reduced in float32 (the default), bfloat16 or float16: the same shards as fully_shard with the policies written
@@ -169,6 +174,7 @@ def test_fsdp2_policy_matches_hand_written_policies_bitwise(fsdp_ranks):
 
 
 @needs_cpu_fsdp2
+@needs_divide_then_sum
 def test_fsdp2_divides_then_sums_where_fully_shard_would_average(fsdp_ranks):
     for r in fsdp_ranks:
         assert r["runs"]["ours"]["reduction"] == "divide by 2, then SUM"
@@ -180,6 +186,7 @@ def test_fsdp2_divides_then_sums_where_fully_shard_would_average(fsdp_ranks):
 
 
 @needs_cpu_fsdp2
+@needs_divide_then_sum
 def test_fsdp2_bytes_counted_half_for_low_precision_modules(fsdp_ranks):
     """Against the same modules sharded with float32 policies: bf16 weights gather half the bytes, and
     bf16 reduction scatters half; the float32 modules' bytes stay."""
@@ -196,6 +203,7 @@ def test_fsdp2_bytes_counted_half_for_low_precision_modules(fsdp_ranks):
 
 
 @needs_cpu_fsdp2
+@needs_divide_then_sum
 def test_fsdp2_refusal_before_sharding(fsdp_ranks):
     for r in fsdp_ranks:
         assert "does not all-gather or broadcast bfloat16" in r["refusal"]["error"] and "leave FSDP2 in float32" in r["refusal"]["error"]
@@ -215,6 +223,7 @@ def test_simulated_libraries_refuse_what_the_vendors_refuse(ranks):
 
 
 @needs_cpu_fsdp2
+@needs_divide_then_sum
 def test_fsdp2_on_simulated_gaudi_hccl_fails_where_the_hardware_would(fsdp_ranks):
     for r in fsdp_ranks:
         assert "HCCL (Intel Gaudi) does not take ReduceOp.AVG" in r["gaudi"]["hand"]
@@ -241,9 +250,15 @@ def test_two_nodes_through_torchruns_rendezvous(tmp_path):
          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=comms{port}",
          str(HERE / "comms_worker.py"), "--out", str(tmp_path), "--quick", "--steps", "3"],
         env=env, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
-    for node in nodes:
-        _, err = node.communicate(timeout=300)
-        assert node.returncode == 0, err[-3000:]
+    try:
+        for node in nodes:
+            _, err = node.communicate(timeout=300)
+            assert node.returncode == 0, err[-3000:]
+    finally:
+        for node in nodes:  # a node that failed or hung leaves nothing behind
+            if node.poll() is None:
+                node.kill()
+                node.communicate()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert sorted(r["node"] for r in ranks) == [0, 1] and all(r["world_size"] == 2 for r in ranks)
     for r in ranks:
@@ -251,3 +266,22 @@ def test_two_nodes_through_torchruns_rendezvous(tmp_path):
         assert all(e["allreduce_bytes"] == r["numel"] * 4 for e in fp32["record"])
         assert all(e["allreduce_bytes"] == r["numel"] * 2 and e["dtypes"] == ["torch.bfloat16"] for e in bf16["record"])
         assert bf16["identical_across_ranks"] and 0 < bf16["max_diff_vs_fp32"] < 1e-3
+
+
+@needs_cpu_fsdp2
+def test_shapes_of_sharding_the_divide_first_reduction_cannot_serve_are_refused_before_sharding():
+    """A 2-D mesh (HSDP: the replicate all-reduce would sum undivided gradients where a shard dimension is 1)
+    and shard_placement_fn (parameter groups the custom reduce-scatter does not take) are refused before
+    anything is sharded, without a process group."""
+    from torch import nn
+
+    class TwoD:  # what the check reads of a DeviceMesh: its number of dimensions
+        ndim = 2
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="1-D DeviceMesh.*HSDP.*nothing was sharded"):
+        sharding.shard_in_low_precision(model, "cpu", mesh=TwoD())
+    if sharding._can_divide_then_sum():
+        with pytest.raises(ValueError, match="shard_placement_fn.*nothing was sharded"):
+            sharding.shard_in_low_precision(model, "cpu", shard_placement_fn=lambda p: None)
+    assert not hasattr(model, "reshard") and type(model) is nn.Sequential, "nothing was sharded"

@@ -339,6 +339,8 @@ def test_check_with_fp8_mxfp8_reports_the_mx_layers(capsys):
     assert rows["0"]["type"] == "MxLinear" and rows["0"]["fp8"] == "fp8 (mxfp8, emulated)"
     assert rows["4"]["type"] == "Linear"  # 10 outputs
     assert any("MXFP8 emulated: backend 'cpu' has no MXFP8 matmul" in n for n in data["notes"])
+    assert not any("in the float32 reference too" in n for n in data["notes"]), "the reference runs them as Linear"
+    assert rows["0"]["output_error"] > 0, "against float32, the MX layer's own rounding shows"
 
 
 @needs_mx

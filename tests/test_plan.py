@@ -23,6 +23,8 @@ from amp_backends.precision.planner import layer_error
 
 NO_FP8 = fp8_engine.unavailable_reason()
 needs_torchao = pytest.mark.skipif(NO_FP8 is not None, reason=f"torchao is unavailable here: {NO_FP8}")
+NO_MX = fp8_engine.mx_unavailable_reason()
+needs_mx = pytest.mark.skipif(NO_MX is not None, reason=f"MXFP8 is unavailable here: {NO_MX}")
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +107,7 @@ def test_flop_shares_are_the_layers_matmuls_over_the_steps():
 
 
 @needs_torchao
-@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_tensorwise", "fp8_rowwise"])
+@pytest.mark.parametrize("fmt", [pytest.param("mxfp8", marks=needs_mx), "fp8_tensorwise", "fp8_rowwise"])
 def test_measured_forward_error_equals_torchaos_layer_run_directly(fmt):
     """The plan's forward error of an 8-bit format is the relative error of torchao's own emulated layer's
     output (MXFP8Linear; Float8Linear), rounded to bf16 as autocast returns it: the same number."""
@@ -154,7 +156,7 @@ def test_plan_round_trips_through_json_and_an_edit_applies(tmp_path):
     policy.remove()
 
 
-@needs_torchao
+@needs_mx
 def test_applied_plan_converts_each_layer_to_its_format_and_remove_undoes_it():
     model = _model()
     x, y = _data()
@@ -205,7 +207,7 @@ def test_bad_plans_are_refused_and_nothing_changes(tmp_path):
         plan_precision(model, x[:64], budget=0)
 
 
-@needs_torchao
+@needs_mx
 def test_the_plan_trains_within_its_budget_of_the_fp32_loss(one_thread):
     """300 steps of Adam, the plan (MXFP8 in the middle layers, bf16 at the ends, emulated) under bf16
     autocast against float32 from the same start: the 20-step running mean of the loss stays within the

@@ -23,6 +23,8 @@ from amp_backends.precision.fp8 import engine as fp8_engine
 
 NO_FP8 = fp8_engine.unavailable_reason()
 needs_torchao = pytest.mark.skipif(NO_FP8 is not None, reason=f"torchao is unavailable here: {NO_FP8}")
+NO_MX = fp8_engine.mx_unavailable_reason()
+needs_mx = pytest.mark.skipif(NO_MX is not None, reason=f"MXFP8 is unavailable here: {NO_MX}")
 HAS_FLOAT8 = hasattr(torch, "float8_e4m3fn")
 
 
@@ -51,7 +53,8 @@ def test_round_fp8_equals_torchs_float8_cast_bitwise(element):
 
 
 @needs_torchao
-@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_with_gw_hp", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_with_gw_hp",
+                                 pytest.param("mxfp8", marks=needs_mx)])
 @pytest.mark.parametrize("operand", OPERANDS)
 def test_quantizers_equal_torchaos_bitwise(fmt, operand):
     """Dequantized values of every operand along its axis: torchao's tensor_to_scale + to_fp8_saturated
@@ -195,7 +198,7 @@ def test_every_n_steps_the_layers_own_format_and_no_host_read():
     assert stats.read() == {}
 
 
-@needs_torchao
+@needs_mx
 def test_an_mx_layer_reports_its_format_and_mx_skips_shapes_it_cannot_take():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48))
     amp_backends.precision_policy(model, fp32=[], fp8=["0"], fp8_recipe="mxfp8", emulate=True, backend="cpu")

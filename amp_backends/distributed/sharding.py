@@ -117,7 +117,15 @@ def shard_in_low_precision(model: nn.Module, backend: str | Backend | None = Non
                          f"{' and ' if missing and strangers else ''}"
                          f"{'blocks ' + ', '.join(strangers) if strangers else ''} are not modules of this model: "
                          "pass the policy made for this model and blocks taken from it")
-    group = mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
+    if _can_divide_then_sum() and fully_shard_kwargs.get("shard_placement_fn") is not None:
+        raise ValueError("shard_in_low_precision(shard_placement_fn=...): the custom reduce-scatter that divides first "
+                         "takes one parameter group per module, which shard_placement_fn can split: leave it out, or "
+                         "use fully_shard with your own MixedPrecisionPolicy (nothing was sharded)")
+    if mesh is not None and getattr(mesh, "ndim", 1) != 1:
+        raise ValueError("shard_in_low_precision(mesh=...): a 1-D DeviceMesh (FSDP) only; HSDP's 2-D mesh is not "
+                         "supported here (its replicate all-reduce would have to divide too): use fully_shard with "
+                         "your own MixedPrecisionPolicy for HSDP (nothing was sharded)")
+    group = mesh.get_group() if mesh is not None else None
     device_type = next((p.device.type for p in model.parameters()), be.device_type)
     library = library_of(be, group, device_type)
     divide_first = _can_divide_then_sum()

@@ -234,18 +234,19 @@ def _verify(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor
     of the loss and of all gradients together; {} where it cannot run here (no torchao for 8-bit layers)."""
     from .fp8 import engine
     from .policy import precision_policy
-    from ..tracing.isolation import call_args
+    from ..tracing.isolation import RngState, call_args
 
     if plan.recipes() and engine.unavailable_reason() is not None:
         return {}
     args, kwargs = call_args(inputs)
     device = next((t.device.type for t in model.parameters()), "cpu")
     results = []
-    rng = torch.get_rng_state()
+    rng = RngState(device)  # the same dropout masks in both runs, on the CPU and on the device
     for planned in (False, True):
         twin = copy.deepcopy(model)
-        torch.set_rng_state(rng)
-        policy = precision_policy(twin, fp32=[], plan=plan, emulate=True, backend=backend) if planned else None
+        rng.restore()
+        # applied as a user applies it: the recipe's float32 layers too (the default fp32=)
+        policy = precision_policy(twin, plan=plan, emulate=True, backend=backend) if planned else None
         with torch.autocast(device, dtype=DTYPES[plan.dtype], enabled=planned):
             loss = _loss(twin(*args, **kwargs), loss_fn)
         params = [p for p in twin.parameters() if p.requires_grad]
@@ -254,6 +255,6 @@ def _verify(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor
         results.append((loss.detach().float(), flat))
         if policy is not None:
             policy.remove()
-    torch.set_rng_state(rng)
+    rng.restore()
     (l32, g32), (lp, gp) = results
     return {"loss_rel_error": _rel(lp, l32), "grad_rel_error": _rel(gp, g32) if g32.numel() else 0.0}

@@ -294,7 +294,8 @@ def as_linear(model: nn.Module) -> Iterator[list[str]]:
     try:
         for layer in layers:
             forward_from = getattr(type(layer).forward, "__module__", "") or ""
-            more = (not (forward_from == f"{__package__}.linear" or forward_from.startswith("torchao."))
+            more = (not (forward_from in (f"{__package__}.linear", f"{__package__}.mx_linear")
+                         or forward_from.startswith("torchao."))
                     or next(layer.children(), None) is not None
                     or any(name not in ("weight", "bias") for name, _ in layer.named_parameters()))
             if more:
