@@ -22,6 +22,7 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> su
                           timeout=timeout, env=full)
 
 
+@pytest.mark.slow
 def test_demo_default_reaches_digit_accuracy():
     proc = cli("demo", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -38,6 +39,7 @@ def test_demo_default_reaches_digit_accuracy():
                                   "faster" if low > 1.02 else "slower" if high < 0.98 else "no clear difference")
 
 
+@pytest.mark.slow
 def test_demo_fp16_uses_the_scaler_and_shows_progress():
     proc = cli("demo", "--dtype", "float16", "--epochs", "2")
     assert proc.returncode == 0, proc.stderr
@@ -46,11 +48,13 @@ def test_demo_fp16_uses_the_scaler_and_shows_progress():
     assert "scaler             enabled: scale" in proc.stdout
 
 
+@pytest.mark.slow
 def test_demo_without_amp():
     out = json.loads(cli("demo", "--no-amp", "--epochs", "2", "--json").stdout)
     assert out["amp"] is False and out["dtype"] == "float32" and out["test_accuracy"] > 0.8
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     full, part, resumed = tmp_path / "full.ckpt", tmp_path / "part.ckpt", tmp_path / "resumed.ckpt"
     a = cli("demo", "--epochs", "3", "--dtype", "float16", "--checkpoint", str(full), "--json")
@@ -117,6 +121,7 @@ def test_output_into_a_closed_pipe_is_not_an_error():
     assert piped.returncode == 0 and "Broken pipe" not in piped.stderr
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_get_clear_errors(tmp_path):
     good = tmp_path / "good.ckpt"
     assert cli("demo", "--epochs", "1", "--checkpoint", str(good), "--json").returncode == 0
@@ -144,6 +149,7 @@ def test_bad_checkpoints_get_clear_errors(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_incompatible_model_state_is_reported(tmp_path):
     bad = tmp_path / "bad.ckpt"
     good = tmp_path / "good.ckpt"
@@ -186,6 +192,7 @@ ROW_FIELDS = {"model", "params", "mode", "step_ms", "peak_mem_bytes", "speedup_v
               "speedup_vs_best_full_precision", "native"}
 
 
+@pytest.mark.slow
 def test_bench_real_models_json_every_field(tmp_path):
     """The three real models at the CPU's size: every mode's row with its fields, TF32 n/a with the
     reason, the adapter's overhead on AMP rows, a recommendation per model."""
@@ -222,6 +229,7 @@ def test_bench_real_models_json_every_field(tmp_path):
         assert set(recs[model]["peak_mem_bytes"]) == {"fp32", "amp-float16", "amp-bfloat16", "lean-bf16"}
 
 
+@pytest.mark.slow
 def test_bench_table_progress_and_plot(tmp_path):
     proc = cli("bench", "--models", "mlp,cnn", "--scale", "0.1", "--rounds", "1", "--warmup", "0")
     assert proc.returncode == 0, proc.stderr

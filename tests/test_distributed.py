@@ -249,7 +249,6 @@ def test_autocast_module_under_data_parallel_on_cuda():
     assert dp(torch.randn(4 * max(1, torch.cuda.device_count()), 8, device="cuda")).dtype == torch.float16
 
 
-@pytest.mark.slow
 def test_compiled_model_trains_under_autocast_with_the_scaler():
     be = amp_backends.get("cpu")
     torch.manual_seed(0)

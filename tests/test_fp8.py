@@ -20,8 +20,7 @@ from amp_backends import RECIPE, PrecisionPolicy, checkpoint, precision_policy
 from amp_backends.precision.fp8 import engine as fp8_engine
 from amp_backends.precision.fp8.engine import RECIPES, Fp8UnavailableError
 
-NO_FP8 = fp8_engine.unavailable_reason()
-needs_torchao = pytest.mark.skipif(NO_FP8 is not None, reason=f"fp8 is unavailable here: {NO_FP8}")
+from fp8_marks import NO_FP8, needs_torchao
 
 
 @pytest.fixture(autouse=True)

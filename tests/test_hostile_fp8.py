@@ -21,7 +21,8 @@ import amp_backends
 from amp_backends import precision_policy
 from amp_backends.precision.fp8 import engine as fp8_engine
 
-NO_FP8 = fp8_engine.unavailable_reason()
+from fp8_marks import NO_FP8
+
 pytestmark = pytest.mark.skipif(NO_FP8 is not None, reason=f"fp8 is unavailable here: {NO_FP8}")
 
 

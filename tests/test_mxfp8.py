@@ -19,8 +19,7 @@ from amp_backends import RECIPE, precision_policy
 from amp_backends.precision.fp8 import engine as fp8_engine
 from amp_backends.precision.fp8.engine import Fp8UnavailableError
 
-NO_MX = fp8_engine.mx_unavailable_reason()
-needs_mx = pytest.mark.skipif(NO_MX is not None, reason=f"MXFP8 is unavailable here: {NO_MX}")
+from fp8_marks import NO_MX, needs_mx
 
 
 @pytest.fixture(autouse=True)

@@ -21,10 +21,8 @@ from amp_backends.precision import quantize
 from amp_backends.precision.formats import AXIS, OPERANDS, spec
 from amp_backends.precision.fp8 import engine as fp8_engine
 
-NO_FP8 = fp8_engine.unavailable_reason()
-needs_torchao = pytest.mark.skipif(NO_FP8 is not None, reason=f"torchao is unavailable here: {NO_FP8}")
-NO_MX = fp8_engine.mx_unavailable_reason()
-needs_mx = pytest.mark.skipif(NO_MX is not None, reason=f"MXFP8 is unavailable here: {NO_MX}")
+from fp8_marks import NO_FP8, NO_MX, needs_mx, needs_torchao
+
 HAS_FLOAT8 = hasattr(torch, "float8_e4m3fn")
 
 
