@@ -21,9 +21,9 @@ import amp_backends
 from amp_backends import precision_policy
 from amp_backends.precision.fp8 import engine as fp8_engine
 
-from fp8_marks import NO_FP8
+from fp8_marks import needs_torchao
 
-pytestmark = pytest.mark.skipif(NO_FP8 is not None, reason=f"fp8 is unavailable here: {NO_FP8}")
+pytestmark = needs_torchao
 
 
 @pytest.fixture(autouse=True)
