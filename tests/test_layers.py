@@ -11,6 +11,8 @@ import pytest
 
 import amp_backends
 
+from fp8_marks import NO_FP8
+
 PACKAGE = Path(amp_backends.__file__).resolve().parent
 
 #: The layers, lowest first: a module may import its own package and the packages of lower layers.
@@ -143,3 +145,68 @@ def test_a_backend_still_builds_its_scaler_and_finds_its_kernel():
     assert isinstance(scaler, amp_backends.GradScaler) and scaler.is_enabled()
     assert not be.grad_scaler("bfloat16").is_enabled()
     assert isinstance(be.kernel, amp_backends.Kernel)
+
+
+#: Every module of the flat package before the layout (main at 1aa9fad), and its home now.
+FLAT_MODULES = {
+    "accelerator": "devices.accelerator", "arena": "gradients.arena", "attribution": "tracing.attribution",
+    "backend": "backend", "bench": "cli.bench", "bench_fp8": "cli.bench_fp8", "bench_models": "cli.bench_models",
+    "check": "inspector.check", "check_cli": "cli.check", "checkpoint": "checkpoint",
+    "checkpoint_values": "checkpoint.values", "cli": "cli", "clipping": "scaler.clipping",
+    "consensus": "scaler.consensus", "console": "console", "demo": "cli.demo", "distributed": "distributed",
+    "eager": "eager", "errors": "errors", "extension": "extension", "flat": "gradients.groups",
+    "fp32_forward": "precision.fp32_forward", "fp8": "precision.fp8.engine", "fp8_linear": "precision.fp8.linear",
+    "fp8_policy": "precision.fp8.convert", "fused": "devices.fused", "gradients": "gradients",
+    "hardware": "devices.hardware", "hookspecs": "registry.hookspecs", "info": "cli.info",
+    "isolation": "tracing.isolation", "kernels": "gradients.kernel", "modules": "precision.autocast_module",
+    "nonfinite": "inspector.nonfinite", "opcount": "tracing.opcount", "precision": "precision",
+    "registry": "registry", "report": "inspector.report", "scaler": "scaler", "selectors": "precision.selectors",
+    "telemetry": "scaler.telemetry", "validation": "scaler.validation",
+}
+
+
+@pytest.mark.parametrize("old", sorted(FLAT_MODULES))
+def test_every_old_module_path_still_imports(old, monkeypatch):
+    """A plugin or script written against the flat package keeps working: the old path is the moved
+    module itself (one object, its own spec kept), with a DeprecationWarning naming the new path."""
+    import importlib
+    import sys
+    import warnings
+
+    if old == "fp8_linear" and NO_FP8 is not None:
+        pytest.skip(f"the fp8 layer subclasses torchao's, at either path: {NO_FP8}")
+    new = importlib.import_module(f"amp_backends.{FLAT_MODULES[old]}")
+    spec = new.__spec__
+    if FLAT_MODULES[old] != old:
+        monkeypatch.delitem(sys.modules, f"amp_backends.{old}", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert importlib.import_module(f"amp_backends.{old}") is new
+    assert new.__spec__ is spec and new.__name__ == spec.name
+    moved = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and "moved" in str(w.message)]
+    assert moved == ([f"amp_backends.{old} moved to amp_backends.{FLAT_MODULES[old]}: import it from there"]
+                     if FLAT_MODULES[old] != old else [])
+
+
+def test_what_the_built_in_plugins_imported_before_the_layout_still_imports():
+    """The imports the built-in plugins (the pattern vendors copy) made from the flat package."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from amp_backends.accelerator import autocast_dtypes
+        from amp_backends.flat import FlatGroup
+        from amp_backends.fp8 import RECIPES
+        from amp_backends.fused import ABSENT, HONOURS, IGNORES, REFUSED
+        from amp_backends.hardware import cpu_native_dtypes, cpu_summary, missing_cpu_features
+        from amp_backends.kernels import TORCH_KERNEL, add_sum_of_squares, through_float32
+    from amp_backends.devices import accelerator, fused, hardware
+    from amp_backends.gradients import groups, kernel
+    from amp_backends.precision.fp8 import engine
+
+    assert (autocast_dtypes, FlatGroup, RECIPES) == (accelerator.autocast_dtypes, groups.FlatGroup, engine.RECIPES)
+    assert (ABSENT, HONOURS, IGNORES, REFUSED) == (fused.ABSENT, fused.HONOURS, fused.IGNORES, fused.REFUSED)
+    assert (cpu_native_dtypes, cpu_summary, missing_cpu_features) == \
+        (hardware.cpu_native_dtypes, hardware.cpu_summary, hardware.missing_cpu_features)
+    assert (TORCH_KERNEL, add_sum_of_squares, through_float32) == \
+        (kernel.TORCH_KERNEL, kernel.add_sum_of_squares, kernel.through_float32)
