@@ -551,9 +551,10 @@ def test_check_model_memory_can_be_skipped_and_says_why_lean_was_not_measured():
     assert any("could not be copied to measure memory_lean" in n and "holds a live handle" in n for n in report.notes)
 
 
-def test_check_model_reports_a_model_lean_weights_would_break_and_still_counts_it():
-    """A parameter used by an op outside autocast's lists (mv on the CPU) meets a float32 vector: with
-    memory_lean's bf16 weights the forward fails; the report says so, with the plain figures intact."""
+def test_a_layer_lean_weights_cannot_run_stays_float32_and_check_model_counts_it():
+    """A parameter used by an op outside autocast's lists (mv on the CPU) would meet a float32 vector in
+    bf16 and fail: memory_lean keeps a layer it does not know to take low-precision weights in float32
+    (saying why), so the lean forward runs and the report counts it; the model is left as it was."""
     class Vec(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -565,6 +566,11 @@ def test_check_model_reports_a_model_lean_weights_would_break_and_still_counts_i
     model = Vec()
     before = model.w.detach().clone()
     report = amp_backends.check_model(model, torch.randn(10), "cpu", torch.bfloat16, loss_fn=lambda out: out)
-    assert report.held > 0 and report.lean_held is None
-    assert any("memory_lean's low-precision weights break this model's forward" in n for n in report.notes)
+    assert report.held > 0 and report.lean_held is not None
     assert model.w.dtype == torch.float32 and torch.equal(model.w, before)
+    lean = memory_lean(model, torch.optim.SGD(model.parameters(), lr=0.1), backend="cpu", weights=torch.bfloat16)
+    assert model.w.dtype == torch.float32 and "Vec" in lean.kept["w"] and not lean.masters
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(10)).backward()
+    lean.optimizer.step()
+    assert not torch.equal(model.w, before)

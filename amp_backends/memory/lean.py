@@ -9,18 +9,25 @@ Each lever is on its own switch and usable alone:
   for backward (exact; :mod:`.saves`);
 - ``lm_head``: the LM head's logits are never made whole; cross-entropy over them runs a block of rows
   at a time (:mod:`.chunked_loss`);
-- ``weights``: the model's parameters in bfloat16/float16 (normalisation layers, layers a precision
-  policy keeps in float32, and fp8 layers stay float32), with float32 masters the optimizer updates
-  (:mod:`.master`); or, with ``master=False``, no masters, for an optimizer that rounds its bfloat16
-  updates stochastically (torchao's, ``bf16_stochastic_round=True``), whose moments follow the
-  parameters' dtype.
+- ``weights``: the parameters the optimizer trains in bfloat16/float16, with float32 masters it
+  updates (:mod:`.master`); or, with ``master=False``, no masters, for an optimizer that rounds its
+  bfloat16 updates stochastically (torchao's, ``bf16_stochastic_round=True``), whose moments follow
+  the parameters' dtype. What stays float32: normalisation layers, layers a precision policy keeps in
+  float32, fp8 layers, parameters the optimizer does not hold (another optimizer's, frozen ones), and
+  parameters of layers whose forward cannot take low-precision weights from float32 inputs under
+  autocast (anything but the layers in :data:`LOW_PRECISION_LAYERS`: ``nn.Bilinear``, custom layers;
+  :attr:`Lean.kept` says which and why).
 
+The model stays the user's to write: ``model.load_state_dict``, in-place edits under ``no_grad``,
+another optimizer, DDP's broadcast and ``model.to(...)`` all reach the masters (:mod:`.master`).
 :meth:`Lean.state_dict` gives the model's weights in float32 (a plain float32 model loads it), and
 :meth:`Lean.remove` turns everything off, the model's parameters float32 again with the trained values.
 """
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import torch
@@ -32,7 +39,7 @@ from ..precision.policy import fp32_modules
 from ..precision.selectors import NORM_TYPES
 from ..registry.registry import resolve_backend
 from .chunked_loss import lazy_head, undo_lazy_head
-from .master import MasterWeights
+from .master import LOW_PRECISION, MasterWeights
 from .saves import LowPrecisionSaves, low_precision_saves
 
 __all__ = ["Lean", "LeanError", "memory_lean"]
@@ -42,79 +49,142 @@ class LeanError(AmpBackendsError, ValueError):
     """A lean-memory setting that cannot work here (nothing was changed)."""
 
 
+#: Layers whose forward runs through autocast's low-precision ops (or a lookup), so low-precision weights
+#: work with float32 inputs; transformers' GPT-2 ``Conv1D`` (an ``addmm``) is recognised by name.
+LOW_PRECISION_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.Embedding, nn.MultiheadAttention)
+_LOW_PRECISION_NAMES = {"transformers.pytorch_utils.Conv1D"}
+
+#: model -> the Lean turned on for it (memory_lean twice on one model is refused)
+_ON: weakref.WeakKeyDictionary[nn.Module, Lean] = weakref.WeakKeyDictionary()
+
+
 class Lean:
     """What :func:`memory_lean` turned on; :meth:`remove` turns it off."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, masters: dict[nn.Parameter, torch.Tensor],
+    def __init__(self, model: nn.Module, optimizer: Any, lowered: list[nn.Parameter], kept: dict[str, str],
                  saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None) -> None:
-        self.model, self.optimizer, self._masters = model, optimizer, masters
-        self._saves, self._head, self.weights = saves, head, weights
+        self.model, self.optimizer, self.weights = model, optimizer, weights
+        #: parameter name -> why it stayed float32 (of those the optimizer trains)
+        self.kept = kept
+        self._lowered, self._saves, self._head = lowered, saves, head
+
+    @property
+    def masters(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each low-precision parameter's float32 master, up to date with writes made since the last
+        step (empty without masters)."""
+        if not isinstance(self.optimizer, MasterWeights):
+            return {}
+        self.optimizer.sync()
+        return self.optimizer.masters
+
+    _masters = masters
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's ``state_dict`` with each low-precision weight's float32 master (same keys): what a
-        plain float32 model of the same architecture loads."""
-        masters = {id(p): m for p, m in self._masters.items()}
+        """The model's ``state_dict`` with each low-precision weight's float32 master (same keys), or its
+        value upcast where it has none: what a plain float32 model of the same architecture loads."""
+        if isinstance(self.optimizer, MasterWeights):
+            self.optimizer.sync()
+        masters = {id(p): m for p, m in self.masters.items()}
+        lowered = {id(p) for p in self._lowered}
         state = self.model.state_dict()
         for name, p in self.model.named_parameters(remove_duplicate=False):
-            master = masters.get(id(p))
-            if master is not None and name in state:
-                state[name] = master.detach().clone()
+            if name not in state:
+                continue
+            if id(p) in masters:
+                state[name] = masters[id(p)].detach().clone()
+            elif id(p) in lowered and p.dtype in LOW_PRECISION:
+                state[name] = p.detach().float()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
-        """Load float32 (or any) weights: the masters take them exactly, the model's parameters rounded."""
+        """Load float32 (or any) weights: the masters take them exactly, the model's parameters rounded
+        (``model.load_state_dict`` does the same)."""
         result = self.model.load_state_dict(state_dict, strict=strict)
-        with torch.no_grad():
-            for name, p in self.model.named_parameters(remove_duplicate=False):
-                master = self._masters.get(p)
-                if master is not None and name in state_dict:
-                    master.copy_(state_dict[name])
-                    p.copy_(master)
+        if isinstance(self.optimizer, MasterWeights):
+            self.optimizer.sync()
         return result
 
     def remove(self) -> Any:
         """Turn it all off: float32 parameters again holding the trained (master) values, the head and
-        norms as they were. Returns the optimizer to train on afterwards (the one given)."""
+        norms as they were. Returns the optimizer to train on afterwards (the one given); the wrapper,
+        where kept, goes on stepping it as it is, its state untouched."""
         if self._saves is not None:
             self._saves.remove()
         if self._head is not None:
             undo_lazy_head(self._head)
         optimizer = self.optimizer
         if isinstance(optimizer, MasterWeights):
-            inner = optimizer.optimizer
-            for p, m in self._masters.items():
-                if p in inner.state:
-                    continue
-                moved = inner.state.pop(m, None)
-                p.data = m
-                if moved is not None:
-                    inner.state[p] = moved
-            optimizer = inner
-        self._masters, self._saves, self._head = {}, None, None
+            optimizer.sync()
+            optimizer.unwatch()
+            with torch.no_grad():
+                for p, m in optimizer.masters.items():
+                    p.data = m
+            optimizer.masters.clear()
+            optimizer._stamps.clear()
+            optimizer = optimizer.optimizer
+        else:
+            with torch.no_grad():
+                for p in self._lowered:
+                    if p.dtype in LOW_PRECISION:
+                        p.data = p.data.float()
+        _ON.pop(self.model, None)
+        self._lowered, self._saves, self._head = [], None, None
         self.optimizer = optimizer
         return optimizer
 
     def __repr__(self) -> str:
-        parts = [f"weights {str(self.weights).replace('torch.', '')} with float32 masters" if self._masters else "",
+        parts = [f"weights {str(self.weights).replace('torch.', '')} with float32 masters" if self.masters else "",
+                 f"weights {str(self.weights).replace('torch.', '')} without masters"
+                 if self._lowered and not self.masters else "",
                  "lm head chunked" if self._head is not None else "",
                  f"low-precision saves on {len(self._saves.modules)} modules" if self._saves else ""]
         return f"<Lean {'; '.join(p for p in parts if p) or 'off'}>"
 
 
-def _kept_float32(model: nn.Module) -> set[int]:
-    """Parameters that stay float32: normalisation layers', those of modules a precision policy runs in
-    float32, and fp8 layers' (their weights are quantized from float32)."""
-    keep: set[int] = set()
+def _kept_float32(model: nn.Module) -> dict[int, str]:
+    """Parameters that stay float32, and why: normalisation layers', those of modules a precision policy
+    runs in float32, fp8 layers' (their weights are quantized from float32), and those of layers not in
+    :data:`LOW_PRECISION_LAYERS` (their forward may not take low-precision weights)."""
+    keep: dict[int, str] = {}
     policy = set(fp32_modules(model))
     for name, m in model.named_modules():
-        if isinstance(m, NORM_TYPES) or name in policy or is_fp8(m):
-            keep.update(id(p) for p in m.parameters())
+        cls = type(m)
+        if isinstance(m, NORM_TYPES):
+            why = "a normalisation layer"
+        elif name in policy:
+            why = "a precision policy runs it in float32"
+        elif is_fp8(m):
+            why = "an fp8 layer (quantized from float32)"
+        elif isinstance(m, LOW_PRECISION_LAYERS) or f"{cls.__module__}.{cls.__qualname__}" in _LOW_PRECISION_NAMES:
+            continue
+        else:
+            why = f"{cls.__name__}'s forward may not take low-precision weights"
+        for p in m.parameters(recurse=False):
+            keep.setdefault(id(p), why)
     return keep
+
+
+def _wrapped_by_ddp(model: nn.Module) -> bool:
+    """Whether a DistributedDataParallel already wraps ``model`` (its reducer holds the parameters as
+    they are: replacing their storage stops it reducing them)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    ddp = torch.nn.parallel.DistributedDataParallel
+    wrappers = [o for o in gc.get_objects() if isinstance(o, ddp)]  # a DDP holds no mark on what it wraps
+    return any(any(m is model for m in w.module.modules()) for w in wrappers)
 
 
 def _check(model: Any, optimizer: Any, weights: Any, master: bool, lm_head: Any, backend: Any) -> tuple[Any, Any]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"memory_lean takes a torch.nn.Module, got {type(model).__name__}")
+    if model in _ON:
+        raise LeanError("memory_lean: already on for this model; call remove() on the handle it returned first")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or _wrapped_by_ddp(model):
+        raise LeanError("memory_lean on a model DistributedDataParallel already wraps: DDP's reducer holds the "
+                        "float32 parameters and would stop reducing the low-precision ones; call memory_lean on "
+                        "the plain model first, then wrap it in DDP (DDP's broadcast reaches the masters)")
     be = resolve_backend(backend)
     if weights is not None:
         weights = be.resolve_dtype(weights)
@@ -166,24 +236,33 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     """Turn on the memory levers of mixed precision for ``model`` (see the module docstring); returns
     the handle whose ``optimizer`` the training loop uses. Everything is checked before anything changes."""
     weights, head = _check(model, optimizer, weights, master, lm_head, backend)
+    lowered: list[nn.Parameter] = []
+    kept: dict[str, str] = {}
     masters: dict[nn.Parameter, torch.Tensor] = {}
     if weights is not None:
-        keep = _kept_float32(model)
+        assert optimizer is not None
+        trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        why = _kept_float32(model)
+        names = {id(p): n for n, p in model.named_parameters()}
         with torch.no_grad():
             for p in dict.fromkeys(model.parameters()):
-                if id(p) in keep or not p.is_floating_point() or p.dtype == weights:
+                if id(p) not in trained or not p.is_floating_point():
                     continue
-                held = p.data
-                p.data = held.to(weights)
-                if master:
-                    masters[p] = held
+                if id(p) in why and p.dtype not in LOW_PRECISION:
+                    kept[names[id(p)]] = why[id(p)]
+                    continue
+                if p.dtype != weights and p.dtype not in LOW_PRECISION:
+                    held = p.data
+                    p.data = held.to(weights)
+                    if master:
+                        masters[p] = held
+                lowered.append(p)
         if master:
-            assert optimizer is not None
-            for p, m in masters.items():
-                if p in optimizer.state:
-                    optimizer.state[m] = optimizer.state.pop(p)
             optimizer = MasterWeights(optimizer, masters)
+            optimizer.watch_loads(model)
     low = low_precision_saves(model) if saves else None
     if head is not None:
         lazy_head(head)
-    return Lean(model, optimizer, masters, low, head, weights)
+    lean = Lean(model, optimizer, lowered, kept, low, head, weights)
+    _ON[model] = lean
+    return lean

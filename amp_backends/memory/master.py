@@ -2,148 +2,281 @@
 
 The model's parameters hold bfloat16 or float16 values (the forward and backward run on them, and
 autocast makes no copies of them); for each such parameter a float32 master keeps the weight the
-optimizer updates. :class:`MasterWeights` wraps the user's own optimizer: its parameter groups (the
-same dicts: LR schedulers work) list the model's parameters, so the scaler unscales and checks the
-low-precision gradients, clipping clips them; ``step()`` runs the wrapped optimizer's own math on the
-masters (their gradients the float32 values of the model's), then copies the masters back, rounded.
-Its ``state_dict`` is the wrapped optimizer's over the masters: the same format as that optimizer's over
-a float32 model, so a checkpoint moves between a lean run and a plain one.
+optimizer updates. :class:`MasterWeights` wraps the user's own optimizer and steps it *as it is*,
+once a step: for the length of its ``step()`` the optimizer's groups list the masters, each with the
+float32 copy of its parameter's gradient, and its state is keyed by them; between steps its groups and
+state are keyed by the model's parameters, so ``opt.state[p]``, hooks, schedulers and ``state_dict``
+are those of the same optimizer over a float32 model, and a checkpoint moves between a lean run and a
+plain one. The parameters' storage is never swapped (that would drop autograd's gradient accumulators
+and the hooks DDP put on them).
+
+The step's device work is a constant number of multi-tensor launches per device, whatever the number
+of parameters: one copy of the low-precision gradients into one float32 buffer, the division by the
+loss scale, the wrapped optimizer's own (foreach or fused) update, one rounding copy of the masters
+into the parameters. Under a loss scale, an optimizer with torch's fused protocol (``fused=True``)
+is handed ``grad_scale``/``found_inf`` and skips on the device; any other reads found_inf once, as
+torch's scaler does.
+
+**The masters stay the truth only while nobody else writes the parameters**, so every write that
+autograd can see is taken in before the next step (:meth:`MasterWeights.sync`): a parameter whose
+version counter moved (``load_state_dict``, an in-place op under ``no_grad``, another optimizer,
+DDP's broadcast of rank 0's weights) gets its master from its new value (from the exact float32 value
+loaded, where ``load_state_dict`` gave one); a parameter moved to another device takes its master
+along; a parameter made float32 again (``model.float()``) gets its master's value and needs none; a
+low-precision parameter without a master (a model already in bfloat16, ``model.to(torch.bfloat16)``
+later, a parameter group added later) gets one. Writes through ``p.data`` are invisible to the version
+counter (as they are to autograd) and are overwritten by the next step: write through the parameter.
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["BLOCK_ELEMENTS", "MasterWeights"]
+__all__ = ["LOW_PRECISION", "MasterWeights"]
 
-#: Elements of float32 master gradients that exist at once during a step (16 MiB; a larger parameter alone).
-BLOCK_ELEMENTS = 2**22
+#: The parameter dtypes that get a float32 master.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+#: (version counter, storage address, device, dtype) of a parameter as last written by the step.
+_Stamp = tuple[int, int, torch.device, torch.dtype]
+
+
+def _address(p: torch.Tensor) -> int:
+    """Where ``p``'s storage is (0 for fake and meta tensors, which have none to compare)."""
+    return 0 if p.is_meta or isinstance(p, FakeTensor) else p.data_ptr()
+
+
+def _stamp(p: torch.Tensor) -> _Stamp:
+    return p._version, _address(p), p.device, p.dtype
+
+
+def _inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """1/scale as torch's scaler computes it: in float64 (float32 where the device has no float64)."""
+    if scale.device.type == "mps":
+        return scale.float().reciprocal().to(device)
+    return scale.double().reciprocal().float().to(device)
 
 
 class MasterWeights(torch.optim.Optimizer):
-    """``optimizer``'s updates applied to float32 masters of the model's low-precision parameters
-    (``masters``: parameter -> its float32 master; parameters without one are stepped as they are).
-
-    Under a float16 loss scale it takes torch's fused-optimizer protocol: the scaler checks the float16
-    gradients and hands over ``grad_scale`` and ``found_inf``; the step skips where found_inf is set and
-    divides in float32, on the masters' gradients (so no small gradient is lost to a float16 unscale)."""
+    """``optimizer``'s updates applied to float32 masters of its low-precision parameters
+    (``masters``: parameter -> its float32 master; a low-precision parameter without one gets one from
+    its value; float32 parameters are stepped as they are). See the module docstring."""
 
     #: the step takes ``grad_scale`` and ``found_inf`` (torch's fused protocol) and honours both
     _step_supports_amp_scaling = True
     amp_found_inf = "honours"
-    #: its float16 gradients may be unscaled in place (clipping): the update is on float32 masters
+    #: its low-precision gradients are the scaler's to check; the update is on float32 masters
     amp_master_weights = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: dict[torch.nn.Parameter, torch.Tensor]) -> None:
-        # not torch's __init__: the groups stay the wrapped optimizer's own dicts
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 masters: Mapping[nn.Parameter, torch.Tensor] | None = None) -> None:
+        # not torch's __init__: the groups, the state and the hooks stay the wrapped optimizer's own
         self.optimizer = optimizer
-        self.masters = masters
-        #: master -> the model's parameter it stands for
-        self._model_of = {m: p for p, m in masters.items()}
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", {})
         self._optimizer_step_post_hooks = getattr(optimizer, "_optimizer_step_post_hooks", {})
+        #: parameter -> its float32 master
+        self.masters: dict[nn.Parameter, torch.Tensor] = dict(masters or {})
+        self._stamps: dict[nn.Parameter, _Stamp] = {p: _stamp(p) for p in self.masters}
+        #: float32 values a load_state_dict gave a parameter (taken exactly at the next sync)
+        self._loaded: dict[nn.Parameter, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+        self._warned_new = False
+        self.sync()
 
-    @property  # type: ignore[override]
+    # -- the wrapped optimizer's groups and state are this one's ----------------------------------------
+    @property  # type: ignore[override]  # a view of the wrapped optimizer's groups, not torch's attribute
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[override]  # likewise its state, keyed by the model's parameters
     def state(self) -> Any:
         return self.optimizer.state
 
     def __repr__(self) -> str:
         return f"MasterWeights({self.optimizer!r}, {len(self.masters)} float32 masters)"
 
+    def _params(self) -> list[nn.Parameter]:
+        return list(dict.fromkeys(p for group in self.optimizer.param_groups for p in group["params"]))
+
+    # -- taking in what others wrote -------------------------------------------------------------------
+    def watch_loads(self, model: nn.Module) -> None:
+        """Take the exact float32 values that ``load_state_dict`` (of ``model`` or any submodule) gives
+        a parameter with a master, instead of their rounding."""
+        owners = {id(p) for p in self.masters}
+        for module in model.modules():
+            if any(id(p) in owners for p in module._parameters.values() if p is not None):
+                self._hooks.append(module._register_load_state_dict_pre_hook(self._on_load, with_module=True))
+
+    def _on_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
+        for name, p in module._parameters.items():
+            value = state_dict.get(prefix + name)
+            if p is not None and p in self.masters and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                self._loaded[p] = value
+
+    def unwatch(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Make each master the truth again after writes made outside the step (module docstring)."""
+        params = self._params()
+        stamps = self._stamps
+        if all(stamps.get(p) == (p._version, _address(p), p.device, p.dtype) for p in params):
+            return
+        created = 0
+        for p in params:
+            master = self.masters.get(p)
+            if master is None:
+                if p.dtype in LOW_PRECISION:
+                    self.masters[p] = p.detach().float()
+                    created += 1
+                    stamps[p] = _stamp(p)
+                continue
+            if stamps[p] == _stamp(p):
+                continue
+            loaded = self._loaded.pop(p, None)
+            version, _, _, low = stamps[p]
+            if p.dtype not in LOW_PRECISION:  # made float32 (or wider) again: it needs no master
+                if version == p._version and torch.equal(p, master.to(low).to(p)):
+                    p.copy_(master)  # the master's rounding, upcast: the master's value is the better one
+                del self.masters[p], stamps[p]
+                continue
+            if master.device != p.device:  # moved (model.to(device)): the master goes along
+                master = self.masters[p] = master.to(p.device)
+            if version != p._version or not torch.equal(p, master.to(p.dtype)):  # written: the master follows
+                exact = loaded is not None and torch.equal(loaded.to(p.device, p.dtype), p)
+                master.copy_(loaded if exact else p)
+            stamps[p] = _stamp(p)
+        for p in [p for p in self.masters if p not in set(params)]:
+            del self.masters[p]
+            stamps.pop(p, None)
+        self._loaded.clear()
+        if created and not self._warned_new and len(stamps) > created:
+            self._warned_new = True
+            warnings.warn(f"lean memory: {created} parameter(s) became low precision after memory_lean "
+                          "(model.to(dtype)?) and were given float32 masters from their rounded values",
+                          RuntimeWarning, stacklevel=3)
+
+    # -- the step --------------------------------------------------------------------------------------
     @contextmanager
-    def _on_masters(self) -> Iterator[None]:
-        """The wrapped optimizer's groups list the masters while it works (its state is keyed by them)."""
-        held = [group["params"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["params"] = [self.masters.get(p, p) for p in group["params"]]
+    def on_masters(self, grads: bool = False, grad_scale: torch.Tensor | None = None) -> Iterator[None]:
+        """The wrapped optimizer's groups list the masters, and its state is keyed by them, until the
+        block ends (with ``grads``, each master's gradient is its parameter's in float32, divided by
+        ``grad_scale`` where given); then the groups and state are the parameters' again, and the
+        parameters hold the masters' values rounded (written through the parameters, so their version
+        counters move as under any optimizer). The parameters' storage is never swapped: autograd's
+        gradient accumulators, and DDP's hooks on them, stay."""
+        self.sync()
+        masters, state = self.masters, self.optimizer.state
+        groups = self.optimizer.param_groups
+        held = [group["params"] for group in groups]
+        for group in groups:
+            group["params"] = [masters.get(p, p) for p in group["params"]]
+        for p, m in masters.items():
+            if p in state:
+                state[m] = state.pop(p)
+        with_grad = [p for p in masters if p.grad is not None] if grads else []
+        for p, g in zip(with_grad, self._float32_grads([p.grad for p in with_grad], grad_scale)):
+            masters[p].grad = g
         try:
             yield
         finally:
+            # read again: load_state_dict replaces the optimizer's groups and state with new objects
+            state = self.optimizer.state
             for group, params in zip(self.optimizer.param_groups, held):
                 group["params"] = params
+            for p, m in masters.items():
+                m.grad = None
+                if m in state:
+                    state[p] = state.pop(m)
+            if masters:
+                with torch.no_grad():
+                    torch._foreach_copy_(list(masters), list(masters.values()))
+            for p in masters:
+                self._stamps[p] = _stamp(p)
+
+    @staticmethod
+    def _float32_grads(grads: list[torch.Tensor], grad_scale: torch.Tensor | None) -> list[torch.Tensor]:
+        """The gradients in float32, one buffer per device, unscaled in float32 where ``grad_scale`` is
+        given (1/scale computed in float64, as torch's scaler does)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(grads)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_device.setdefault(g.device, []).append(i)
+        for device, index in by_device.items():
+            sizes = [grads[i].numel() for i in index]
+            flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+            views = [v.view(grads[i].shape) for v, i in zip(flat.split(sizes), index)]
+            torch._foreach_copy_(views, [grads[i] for i in index])
+            if grad_scale is not None:
+                torch._foreach_mul_(views, _inverse(grad_scale, device))
+            for v, i in zip(views, index):
+                out[i] = v
+        return out
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """The wrapped optimizer's step on the masters, their gradients the model's in float32; then the
-        masters copied into the model's parameters. The float32 gradients exist a block of parameters at a
-        time (:data:`BLOCK_ELEMENTS`), so the step never holds a float32 gradient of the whole model."""
+        """The wrapped optimizer's own step, once, on the float32 masters (see the module docstring).
+        A closure runs first, with gradients on (Lightning's precision plugins pass one)."""
+        loss = None
         if closure is not None:
-            raise RuntimeError("MasterWeights.step() takes no closure: run the forward and backward first")
+            with torch.enable_grad():
+                loss = closure()
+        self.sync()
         grad_scale, found_inf = self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
-        if found_inf is not None and bool(found_inf.item()):
-            return None  # an inf/NaN gradient: nothing moves (the scaler skips the step)
-        inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
-        result = None
-        with self._on_masters():
-            groups = self.optimizer.param_groups
-            held = [group["params"] for group in groups]
+        inner = self.optimizer
+        # torch's fused optimizers take grad_scale/found_inf and skip on the device, without a host read
+        on_device = bool(getattr(inner, "_step_supports_amp_scaling", False)) and \
+            "grad_scaler" not in inspect.signature(inner.step).parameters
+        if found_inf is not None and not on_device and bool(found_inf.item()):
+            return loss  # an inf/NaN gradient: nothing moves (the scaler skips the step)
+        unscale = None if on_device else grad_scale
+        wide = [p for p in self._params() if p not in self.masters and p.grad is not None] if unscale is not None else []
+        held = [p.grad for p in wide]
+        with self.on_masters(grads=True, grad_scale=unscale):
+            if wide:  # float32 parameters' gradients, unscaled for this step only
+                scaled = torch._foreach_mul(held, _inverse(unscale, held[0].device))
+                for p, g in zip(wide, scaled):
+                    p.grad = g
+            if on_device:
+                inner.grad_scale, inner.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]  # torch's fused protocol
             try:
-                for block in self._blocks(held):
-                    for group, params in zip(groups, block):
-                        group["params"] = params
-                    scaled: list[tuple[torch.Tensor, torch.Tensor]] = []
-                    for m in (m for params in block for m in params):
-                        p = self._model_of.get(m)
-                        if p is not None:
-                            m.grad = None if p.grad is None else (p.grad.float() if inv is None
-                                                                  else p.grad.float() * inv.to(p.device))
-                        elif inv is not None and m.grad is not None:  # a float32 parameter: unscaled for the step
-                            scaled.append((m, m.grad))
-                            m.grad = m.grad * inv.to(m.device)
-                    try:
-                        result = self.optimizer.step()
-                    finally:
-                        for m, grad in scaled:
-                            m.grad = grad
-                        for m in (m for params in block for m in params):
-                            p = self._model_of.get(m)
-                            if p is not None:
-                                m.grad = None
-                                p.copy_(m)
+                result = inner.step()
             finally:
-                for group, params in zip(groups, held):
-                    group["params"] = params
-        return result
-
-    def _blocks(self, held: list[list[torch.Tensor]]) -> list[list[list[torch.Tensor]]]:
-        """The groups' parameters in blocks of at most :data:`BLOCK_ELEMENTS` elements with a master (a
-        parameter without one, and an oversized one, fits in any block), in order."""
-        blocks: list[list[list[torch.Tensor]]] = [[[] for _ in held]]
-        size = 0
-        for gi, params in enumerate(held):
-            for m in params:
-                n = m.numel() if m in self._model_of else 0
-                if size and size + n > BLOCK_ELEMENTS:
-                    blocks.append([[] for _ in held])
-                    size = 0
-                blocks[-1][gi].append(m)
-                size += n
-        return blocks
+                if on_device:
+                    del inner.grad_scale, inner.found_inf  # type: ignore[attr-defined]  # set just above
+                for p, g in zip(wide, held):
+                    p.grad = g
+        return loss if closure is not None else result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise RuntimeError("MasterWeights: add the parameters before turning lean memory on (amp_backends.memory_lean), "
-                           "or turn it off (remove()), add them, and turn it on again")
+        """Add a group to the wrapped optimizer; its low-precision parameters get masters."""
+        self.optimizer.add_param_group(param_group)
+        self.sync()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state_dict, as over a float32 model."""
-        with self._on_masters():
-            return self.optimizer.state_dict()
+        self.sync()
+        return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a state_dict of this optimizer, or of the same optimizer over the float32 model."""
-        with self._on_masters():
+        """Load a state_dict of this optimizer, or of the same optimizer over the float32 model (its
+        state is cast to the masters' float32, not to the parameters' low precision)."""
+        with self.on_masters():
             self.optimizer.load_state_dict(dict(state_dict))
 
     def __getstate__(self) -> dict[str, Any]:
