@@ -450,3 +450,54 @@ def test_master_weights_is_an_optimizer_the_scaler_and_schedulers_accept():
     lean.optimizer.step()
     sched.step()
     assert lean.optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+
+def _fp16_clip_run(clip: str):
+    """float16 weights, tiny gradients under a large scale: scaler.unscale_ then a clip; the lean model
+    against torch's AdamW on float32 copies fed the float32 division of the same scaled gradients."""
+    torch.manual_seed(0)
+    model = _mlp()
+    lean = memory_lean(model, _adamw(model.parameters()), backend="cpu", weights=torch.float16)
+    ref = _Reference(model, _adamw, lean)
+    scaler = amp_backends.get("cpu").grad_scaler("float16", init_scale=2.0**12)
+    lost = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", amp_backends.PerformanceWarning)
+        for _ in range(3):
+            lean.optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(X).float() * 1e-3, Y) * 1e-2
+            inv = torch.full((), scaler.get_scale()).double().reciprocal().float()
+            scaler.scale(loss).backward()
+            exact = [p.grad.detach().float() * inv for p in model.parameters()]
+            lost += sum(int(((g != 0) & (g.half() == 0)).sum()) for g, p in zip(exact, model.parameters())
+                        if p.dtype == torch.float16)
+            scaler.unscale_(lean.optimizer)
+            if clip == "scaler":
+                total = scaler.clip_grad_norm_(lean.optimizer, 1e-4)
+            else:
+                total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-4)
+            scaler.step(lean.optimizer)
+            scaler.update()
+            for r, g in zip(ref.params, exact):
+                r.grad = g
+            ref_total = torch.nn.utils.clip_grad_norm_(ref.params, 1e-4)
+            ref.opt.step()
+            yield lean, ref, total, ref_total, lost
+
+
+def test_float16_weights_unscaled_and_clipped_through_the_scaler_keep_every_small_gradient():
+    """scaler.unscale_ divides the float16 gradients in float32 into the masters' gradients, and
+    scaler.clip_grad_norm_ clips those: bitwise torch's float32 recipe, with values that a float16 unscale
+    would flush to zero (counted) kept."""
+    for lean, ref, total, ref_total, lost in _fp16_clip_run("scaler"):
+        assert torch.equal(total, ref_total)
+        ref.assert_equal(lean)
+    assert lost > 0, "the test's gradients do have values float16 loses"
+
+
+def test_torchs_clip_after_unscale_on_float16_weights_is_taken_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="scaler.clip_grad_norm_"):
+        for lean, ref, total, ref_total, lost in _fp16_clip_run("torch"):
+            pass
+    assert all(torch.isfinite(p).all() for p in lean.model.parameters())

@@ -58,6 +58,31 @@ def _stamp(p: torch.Tensor) -> _Stamp:
     return p._version, _address(p), p.device, p.dtype
 
 
+def _scale_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply each gradient in place by ``factor`` (a multi-tensor op per device; sparse ones alone)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.is_sparse:
+            g.mul_(factor.to(g.device))
+        else:
+            by_device.setdefault(g.device, []).append(g)
+    for device, same in by_device.items():
+        torch._foreach_mul_(same, factor.to(device))
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The total ``norm_type``-norm of float32 ``grads``, as torch's clip_grad_norm_ computes it."""
+    dense = [g.coalesce()._values() if g.is_sparse else g for g in grads]
+    if not dense:
+        return torch.zeros(())
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in dense:
+        by_device.setdefault(g.device, []).append(g)
+    first = dense[0].device
+    norms = [n.to(first) for same in by_device.values() for n in torch._foreach_norm(same, norm_type)]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
 def _inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
     """1/scale as torch's scaler computes it: in float64 (float32 where the device has no float64)."""
     if scale.device.type == "mps":
@@ -89,7 +114,9 @@ class MasterWeights(torch.optim.Optimizer):
         #: float32 values a load_state_dict gave a parameter (taken exactly at the next sync)
         self._loaded: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks: list[Any] = []
-        self._warned_new = False
+        #: parameter -> (its exact float32 gradient after unscale_, (id, version) of its gradient then)
+        self._exact: dict[nn.Parameter, tuple[torch.Tensor, tuple[int, int]]] = {}
+        self._warned_new = self._warned_changed = False
         self.sync()
 
     # -- the wrapped optimizer's groups and state are this one's ----------------------------------------
@@ -186,9 +213,9 @@ class MasterWeights(torch.optim.Optimizer):
         for p, m in masters.items():
             if p in state:
                 state[m] = state.pop(p)
-        with_grad = [p for p in masters if p.grad is not None] if grads else []
-        for p, g in zip(with_grad, self._float32_grads([p.grad for p in with_grad], grad_scale)):
-            masters[p].grad = g
+        if grads:
+            for p, g in self._master_grads(grad_scale).items():
+                masters[p].grad = g
         try:
             yield
         finally:
@@ -206,10 +233,66 @@ class MasterWeights(torch.optim.Optimizer):
             for p in masters:
                 self._stamps[p] = _stamp(p)
 
+    def _master_grads(self, grad_scale: torch.Tensor | None) -> dict[nn.Parameter, torch.Tensor]:
+        """Each master's float32 gradient for this step: the exact one :meth:`unscale_masters_` kept,
+        where the parameter's gradient is still what it wrote there; else the parameter's, upcast (and
+        divided by ``grad_scale`` where given)."""
+        exact, self._exact = self._exact, {}
+        with_grad = [p for p in self.masters if p.grad is not None]
+        out = {p: exact[p][0] for p in with_grad if p in exact and exact[p][1] == (id(p.grad), p.grad._version)}
+        changed = [p for p in with_grad if p in exact and p not in out]
+        if changed and not self._warned_changed:
+            self._warned_changed = True
+            warnings.warn(f"lean memory: {len(changed)} low-precision gradient(s) were changed after the scaler "
+                          "unscaled them (torch.nn.utils.clip_grad_norm_?), so the step takes them as they are, "
+                          "rounded to their dtype; scaler.clip_grad_norm_(optimizer, max_norm) clips the float32 "
+                          "gradients exactly", RuntimeWarning, stacklevel=4)
+        todo = [p for p in with_grad if p not in out]
+        inverse = None if grad_scale is None else _inverse(grad_scale, grad_scale.device)
+        out.update(zip(todo, self._float32_grads([p.grad for p in todo], inverse)))
+        return out
+
+    @torch.no_grad()
+    def unscale_masters_(self, inv_scale: torch.Tensor, norm_sq: torch.Tensor | None = None) -> None:
+        """The scaler's ``unscale_`` for this optimizer: each low-precision gradient divided in float32
+        into a float32 gradient kept for the step (no small value lost), the parameter's gradient holding
+        its rounding (what clipping and logging read); float32 parameters' gradients divided in place.
+        With ``norm_sq``, adds the float32 sum of squares of the unscaled gradients."""
+        self.sync()
+        low = [p for p in self.masters if p.grad is not None]
+        wide = self._float32_grads([p.grad for p in low], inv_scale)
+        plain = [p.grad for p in self._params() if p not in self.masters and p.grad is not None]
+        _scale_(plain, inv_scale)
+        if low:
+            torch._foreach_copy_([p.grad for p in low], wide)
+        self._exact = {p: (w, (id(p.grad), p.grad._version)) for p, w in zip(low, wide)}
+        if norm_sq is not None:
+            grads = [self._exact[p][0] if p in self._exact else p.grad for p in self._params() if p.grad is not None]
+            norm_sq.add_(_norm(grads, 2.0).to(norm_sq.device).square())
+
+    @torch.no_grad()
+    def clip_masters_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """The scaler's ``clip_grad_norm_`` for this optimizer, after :meth:`unscale_masters_`: the total
+        norm of the float32 gradients (torch's formula), each scaled by torch's clip coefficient; the
+        parameters' gradients hold the result rounded. Returns the total norm."""
+        exact = self._exact
+        low = [p for p in exact if p.grad is not None and exact[p][1] == (id(p.grad), p.grad._version)]
+        wide = [self._exact[p][0] for p in low]
+        # in the optimizer's order, as torch's clip over the same parameters sums them
+        kept = set(low)
+        grads = [exact[p][0] if p in kept else p.grad for p in self._params() if p.grad is not None]
+        total = _norm(grads, norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        _scale_(grads, coef)
+        if low:
+            torch._foreach_copy_([p.grad for p in low], wide)
+        self._exact = {p: (w, (id(p.grad), p.grad._version)) for p, w in zip(low, wide)}
+        return total
+
     @staticmethod
-    def _float32_grads(grads: list[torch.Tensor], grad_scale: torch.Tensor | None) -> list[torch.Tensor]:
-        """The gradients in float32, one buffer per device, unscaled in float32 where ``grad_scale`` is
-        given (1/scale computed in float64, as torch's scaler does)."""
+    def _float32_grads(grads: list[torch.Tensor], inverse: torch.Tensor | None) -> list[torch.Tensor]:
+        """The gradients in float32, one buffer per device, multiplied by ``inverse`` (1/scale) in float32
+        where given."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(grads)
         by_device: dict[torch.device, list[int]] = {}
         for i, g in enumerate(grads):
@@ -219,8 +302,8 @@ class MasterWeights(torch.optim.Optimizer):
             flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
             views = [v.view(grads[i].shape) for v, i in zip(flat.split(sizes), index)]
             torch._foreach_copy_(views, [grads[i] for i in index])
-            if grad_scale is not None:
-                torch._foreach_mul_(views, _inverse(grad_scale, device))
+            if inverse is not None:
+                torch._foreach_mul_(views, inverse.to(device))
             for v, i in zip(views, index):
                 out[i] = v
         return out
@@ -261,6 +344,7 @@ class MasterWeights(torch.optim.Optimizer):
         return loss if closure is not None else result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._exact = {}
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

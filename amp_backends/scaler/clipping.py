@@ -68,6 +68,11 @@ def group_norms(scaler: Unscaling, optimizer: torch.optim.Optimizer, norm_type: 
 
 def clip(scaler: Unscaling, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
     """:meth:`GradScaler.clip_grad_norm_` once its arguments are checked: the total norm."""
+    exact = getattr(optimizer, "clip_masters_", None)
+    if exact is not None:  # float32 masters: the norm and the clip on their float32 gradients
+        if scaler._clip_stage(optimizer) is OptState.READY:
+            scaler._clip_unscale(optimizer)
+        return scaler._clip_total(exact(max_norm, norm_type))
     arena: FlatGrads | None = getattr(optimizer, ARENA_ATTR, None)
     # without an arena, the walk (and sparse coalescing) comes first, as torch's recipe has it
     params = params_with_grads(optimizer) if arena is None else None

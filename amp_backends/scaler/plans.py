@@ -130,6 +130,12 @@ def unscale(scaler: Scaling, optimizer: torch.optim.Optimizer, with_norm: bool =
     found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
     norm_sq = torch.zeros((), dtype=torch.float32, device=scale.device) if with_norm else None
     masters = bool(getattr(optimizer, "amp_master_weights", False))
+    exact = getattr(optimizer, "unscale_masters_", None)
+    if exact is not None:  # float32 masters: the gradients are checked as they are, then divided in float32
+        found, _ = scaler._grads.run(optimizer, None, found_inf, True)
+        exact(scaler._grads.inv_scale(scale), norm_sq)
+        record.unscaled(found)
+        return None, norm_sq
     found, arena = scaler._grads.run(optimizer, scale, found_inf, masters, norm_sq, _known_normal(scaler))
     record.unscaled(found)
     return arena, norm_sq
