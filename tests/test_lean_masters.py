@@ -501,3 +501,29 @@ def test_torchs_clip_after_unscale_on_float16_weights_is_taken_with_a_warning():
         for lean, ref, total, ref_total, lost in _fp16_clip_run("torch"):
             pass
     assert all(torch.isfinite(p).all() for p in lean.model.parameters())
+
+
+def test_the_lean_fuzz_is_plain_torch_by_hand_bitwise(request):
+    """Seeded random programs (tests/lean_differential.py), an eighth of --fuzz-programs (at least 20):
+    every master equals plain torch's float32 copy after every step, whatever was interleaved."""
+    import lean_differential as ld
+
+    programs = max(20, request.config.getoption("--fuzz-programs") // 8)
+    failures = []
+    for seed in range(programs):
+        program = ld.make_program(seed)
+        diff = ld.run_quietly(program)
+        if diff:
+            failures.append(f"seed {seed}: {diff}\n  program: {program}")
+    assert not failures, f"{len(failures)} of {programs} programs differ:\n" + "\n".join(failures[:5])
+
+
+def test_the_lean_fuzz_covers_every_operation_dtype_and_optimizer():
+    import lean_differential as ld
+
+    programs = [ld.make_program(seed) for seed in range(20)]  # the fewest the test above runs
+    assert {op for p in programs for op in p["ops"]} == set(ld.OPS)
+    assert {(p["weights"], p["optimizer"]) for p in programs} == {
+        (w, o) for w in ("float16", "bfloat16") for o in ("sgd", "adam", "adamw")}
+    assert {p["impl"] for p in programs} == {"foreach", "fused", "loop"}
+    assert sum(p["momentum"] > 0 for p in programs) > 0
