@@ -1,8 +1,8 @@
 """The lazy LM head under DDP on 2 CPU ranks (gloo), launched by torchrun from tests/test_lean_loss.py.
 
-Each rank builds the same tiny LM, wraps it in DDP and runs one forward with the head lever on: the
-lever must be refused (before any gradient is computed), and the check ``memory_lean`` calls must say
-so too. Then the way out the message names: the fused loss computed inside the wrapped model's
+Each rank builds the same tiny LM, wraps it in DDP (then, another, in FSDP2's fully_shard) and runs one
+forward with the head lever on: the lever must be refused (before any gradient is computed), and the
+check ``memory_lean`` calls must say so too. Then the way out the message names: the fused loss computed inside the wrapped model's
 forward, whose gradients DDP reduces (checked against DDP's plain loss on the full logits).
 """
 
@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from amp_backends import distributed
+from amp_backends.distributed.sharding import fsdp_api
 from amp_backends.memory.chunked_loss import LazyHeadError, head_lever_refusal, lazy_head, undo_lazy_head
 from amp_backends.memory.fused_loss import linear_cross_entropy
 
@@ -53,6 +54,18 @@ try:
 except LazyHeadError as exc:
     result["forward"] = str(exc)
 undo_lazy_head(model.head)
+
+fully_shard, _ = fsdp_api()
+torch.manual_seed(0)
+sharded = LM()
+lazy_head(sharded.head)
+fully_shard(sharded)
+result["fsdp2_refusal"] = head_lever_refusal(sharded, sharded.head)
+try:
+    sharded(x, y)
+    result["fsdp2_forward"] = "ran"
+except LazyHeadError as exc:
+    result["fsdp2_forward"] = str(exc)
 
 grads = {}
 for fused in (False, True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 import weakref
 from pathlib import Path
 
@@ -372,7 +373,7 @@ def test_heads_whose_gradients_others_watch_are_refused_before_training():
         lazy_head(VendorFp8(H, V))
 
 
-def test_ddp_on_two_ranks_refuses_the_lazy_head_and_takes_the_fused_loss_inside_its_forward(tmp_path):
+def test_ddp_and_fsdp2_on_two_ranks_refuse_the_lazy_head_and_ddp_takes_the_fused_loss_inside_its_forward(tmp_path):
     from test_distributed import torchrun
 
     proc = torchrun(HERE / "lean_head_dist_worker.py", "--out", str(tmp_path))
@@ -382,7 +383,33 @@ def test_ddp_on_two_ranks_refuses_the_lazy_head_and_takes_the_fused_loss_inside_
         assert r["world"] == 2
         assert "torch.distributed runs 2 processes" in r["refusal"] and "lm_head=None" in r["refusal"]
         assert r["forward"] == r["refusal"], "the forward refuses with the same words"
+        assert "DTensor (FSDP2)" in r["fsdp2_refusal"] and "torch.distributed runs 2" in r["fsdp2_forward"]
         assert r["fused_vs_plain"] <= 1e-6 and r["head_grad_same_on_ranks"], "the way out: DDP reduces the head"
+
+
+def test_transformers_gpt2_with_its_own_loss_runs_the_fused_loss_untouched():
+    """GPT2LMHeadModel(labels=) as users train it (its loss: .float(), view(-1, V), F.cross_entropy with
+    ignore_index and padded labels): with the head lever nothing is computed whole (a warning would be an
+    error here), and the loss and gradients are plain torch's to the fused loss's tolerances."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=H, n_layer=1, n_head=2, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(cfg)
+    lazy = copy.deepcopy(plain)
+    lazy_head(lazy.lm_head)
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours = lazy(ids, labels=ids).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = plain(ids, labels=ids).loss
+    ours.backward()
+    ref.backward()
+    assert abs(ours.item() - ref.item()) <= 4 * _ulp32(ref.item())
+    for a, b in zip(lazy.parameters(), plain.parameters()):
+        assert (a.grad - b.grad).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * b.grad.abs().max()
 
 
 # -- second order through the low-precision saves --------------------------------------------------------
