@@ -94,6 +94,16 @@ def test_the_block_size_does_not_change_the_loss_beyond_a_float32_sum():
     assert all(torch.equal(g, grads[0]) for g in grads), "each row's input gradient is its own"
 
 
+def test_float64_stays_float64():
+    h, w, b, y, _ = _case()
+    h, w, b = (t.detach().double().requires_grad_(True) for t in (h, w, b))
+    plain = F.cross_entropy(F.linear(h, w, b), y, label_smoothing=0.1)
+    ours = linear_cross_entropy(h, w, y, b, label_smoothing=0.1, rows=8)
+    assert ours.dtype == torch.float64 and abs(ours.item() - plain.item()) <= 1e-13
+    for o, p in zip(torch.autograd.grad(ours, (h, w, b)), torch.autograd.grad(plain, (h, w, b))):
+        assert o.dtype == torch.float64 and (o - p).abs().max() <= 1e-13
+
+
 def test_an_all_ignored_mean_is_torchs_nan_with_zero_gradients():
     h, w, b, y, _ = _case()
     y = torch.full_like(y, -100)
@@ -112,6 +122,8 @@ def test_per_row_losses_and_probability_targets_are_refused_with_the_way_out():
         linear_cross_entropy(h, w, torch.rand(N, V))
     with pytest.raises(ValueError, match="one weight per class"):
         linear_cross_entropy(h, w, y, class_weight=torch.ones(3))
+    with pytest.raises(ValueError, match="rows per block"):
+        linear_cross_entropy(h, w, y, rows=-2)
 
 
 def test_the_incoming_gradient_scales_the_stored_ones_and_a_second_backward_is_refused():

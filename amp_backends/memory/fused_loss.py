@@ -90,7 +90,7 @@ def _scaled(t: torch.Tensor | None, scale: torch.Tensor | None, dtype: torch.dty
         return None
     if scale is None:
         return t.to(dtype)
-    if t.dtype == torch.float32:
+    if t.dtype in (torch.float32, torch.float64):
         return (t * scale).to(dtype)
     return (t.float() * scale).to(dtype)
 
@@ -106,27 +106,28 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
             need: tuple[bool, bool, bool]) -> tuple[torch.Tensor, Any, Any, Any]:
     """The summed (or mean) loss and, where ``need`` says, the gradients of (h, w, b) for a grad_output of 1."""
     n, vocab = h.shape[0], w.shape[0]
+    acc = torch.float64 if compute == torch.float64 else torch.float32  # the softmax's and the sums' dtype
     hc, wc = h.to(compute), w.to(compute)
     bc = None if b is None else b.to(compute)
     valid = y != ignore_index
     ysafe = torch.where(valid, y, 0).unsqueeze(1)
-    cw32 = None if cw is None else cw.to(torch.float32)
-    wy = valid.to(torch.float32) if cw32 is None else torch.where(valid, cw32[ysafe.squeeze(1)], 0.0)
+    cw32 = None if cw is None else cw.to(acc)
+    wy = valid.to(acc) if cw32 is None else torch.where(valid, cw32[ysafe.squeeze(1)], 0.0)
     wsum = float(vocab) if cw32 is None else cw32.sum()
     inv = None
     if reduction == "mean":
         den = wy.sum()
         inv = torch.where(den > 0, 1.0 / den, 0.0)  # torch's gradients of an all-ignored mean are 0 (its loss nan)
-    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    total = torch.zeros((), dtype=acc, device=h.device)
     gh = torch.empty(h.shape, dtype=_held(h.dtype), device=h.device) if need[0] else None
-    gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need[1] else None
-    gb = torch.zeros(vocab, dtype=torch.float32, device=w.device) if need[2] and b is not None else None
+    gw = torch.zeros(w.shape, dtype=acc, device=w.device) if need[1] else None
+    gb = torch.zeros(vocab, dtype=acc, device=w.device) if need[2] and b is not None else None
     grads = gh is not None or gw is not None or gb is not None
     z = g = gl = None
     for s in range(0, n, rows):
         e = min(s + rows, n)
         z = g = gl = None  # the last block's logits go before this one's are made: one block alive
-        z = F.linear(hc[s:e], wc, bc).to(torch.float32)  # matmul 1; the float32 logits, worked on in place
+        z = F.linear(hc[s:e], wc, bc).to(acc)  # matmul 1; the float32 logits, worked on in place
         yb, vb, wyb = ysafe[s:e], valid[s:e], wy[s:e]
         m = z.amax(1, keepdim=True)
         z.sub_(m)  # shifted: every term of the smoothing sum below is >= 0, no cancellation
@@ -150,7 +151,7 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
         g.mul_(torch.where(vb, alpha, 0.0).unsqueeze(1))
         g.scatter_add_(1, yb, torch.where(vb, -(1.0 - smoothing) * wyb, 0.0).unsqueeze(1))
         if smoothing:
-            gamma = torch.where(vb, smoothing / vocab, 0.0).unsqueeze(1)
+            gamma = (vb.to(acc) * (smoothing / vocab)).unsqueeze(1)
             if cw32 is None:
                 g.sub_(gamma)
             else:
@@ -159,14 +160,14 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
         if gh is not None:
             gh[s:e] = _scaled(gl @ wc, inv, gh.dtype)  # matmul 2
         if gw is not None:
-            if compute == torch.float32:
+            if compute == acc:
                 gw.addmm_(gl.t(), hc[s:e])  # matmul 3
             elif compute == torch.float16:  # float16's range cannot hold the product before the loss scale
                 gw.addmm_(g.t(), hc[s:e].float())  # matmul 3, in float32 (exact products of float16 inputs)
             else:
                 gw.add_(gl.t() @ hc[s:e])  # matmul 3, rounded to bfloat16 as the plain one is
         if gb is not None:
-            gb.add_((g if compute == torch.float16 else gl).sum(0, dtype=torch.float32))
+            gb.add_((g if compute == torch.float16 else gl).sum(0, dtype=acc))
     loss = total if inv is None else total / wy.sum()
     return (loss, gh, _scaled(gw, inv, _held(w.dtype)) if gw is not None else None,
             _scaled(gb, inv, _held(b.dtype)) if gb is not None and b is not None else None)
@@ -240,6 +241,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if t.shape[0] != h.shape[0]:
         raise ValueError(f"linear_cross_entropy: {h.shape[0]} rows of hidden states and {t.shape[0]} targets")
     out_dtype = _output_dtype(device_type, compute, upcast)
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"linear_cross_entropy(rows={rows!r}): a whole number of rows per block >= 1, or None "
+                         "for the size the device's free memory allows")
     rows = rows or chunk_rows(weight.shape[0], hidden.device, compute)
     args = (class_weight, compute, float(label_smoothing), ignore_index, reduction, rows)
     with torch.autocast(device_type, enabled=False):
