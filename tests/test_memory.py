@@ -192,6 +192,11 @@ def _head_case(rows=300, width=64, vocab=1000):
 
 @pytest.mark.parametrize("rows", [300, 128, 77])
 def test_the_loss_in_blocks_equals_the_plain_loss_and_its_input_gradient(rows):
+    """The fused loss (gradients made in the forward, the mean's division applied in float32 after the
+    matmuls) against the plain bf16 path: the loss to a float32 sum's last bits; the input's gradient within
+    2 bf16 eps of the largest and about as close to float64; the weight's gradient, summed in float32, at
+    least as close to float64 as the plain path's bf16-rounded one. (The loss recomputed in backward gave a
+    bitwise input gradient; tests/test_lean_loss.py holds the fused loss to torch's in every setting.)"""
     h, w, y = _head_case()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = F.linear(h, w)
@@ -201,8 +206,9 @@ def test_the_loss_in_blocks_equals_the_plain_loss_and_its_input_gradient(rows):
         ours = linear_cross_entropy(h, w, y, rows=rows)
     oh, ow = torch.autograd.grad(ours, (h, w))
     assert abs(ours.item() - plain.item()) <= 2 * _ulp32(plain.item()), "the same loss to a float32 sum's last bits"
-    assert torch.equal(oh, ph), "each row's gradient is its own: bitwise"
-    exact = torch.autograd.grad(F.cross_entropy(F.linear(h.double(), w.double()), y), (w,))[0]
+    exact_h, exact = torch.autograd.grad(F.cross_entropy(F.linear(h.double(), w.double()), y), (h, w))
+    assert (oh - ph).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * ph.abs().max()
+    assert (oh.double() - exact_h).norm() <= 2 * (ph.double() - exact_h).norm()
     assert (ow.double() - exact).abs().max() <= (pw.double() - exact).abs().max() * 1.01, \
         "the weight's gradient, summed in float32, is at least as close as the plain path's bf16-rounded one"
 
@@ -484,7 +490,9 @@ def test_scaler_clip_accumulation_and_the_arena_work_on_a_lean_optimizer():
 
 def test_an_lr_scheduler_and_torch_compile_work_with_the_lean_mode():
     """The lean optimizer's groups are the wrapped optimizer's own (a scheduler's lr reaches the masters'
-    update); a compiled model (eager backend) with the lazy head gives the eager losses."""
+    update); a compiled model (eager backend) with the lazy head trains as the eager one: inside the
+    compiled graph the head returns plain logits, so the losses agree to float32 rounding (the fused loss
+    and the plain one differ in the sums' order), not bitwise."""
     losses = {}
     for compiled in (False, True):
         torch.manual_seed(0)
@@ -505,7 +513,7 @@ def test_an_lr_scheduler_and_torch_compile_work_with_the_lean_mode():
             out.append(loss.item())
         losses[compiled] = out
         assert lean.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(3e-5)
-    assert losses[True] == losses[False]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
 # -- the ledger per module (check_model) ---------------------------------------------------------------------

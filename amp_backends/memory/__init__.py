@@ -2,8 +2,9 @@
 
 Owns the ledger of a training step (:mod:`.ledger`), counted without arithmetic on fake tensors
 (:mod:`.fake`), and memory-lean mixed precision (:mod:`.lean`): low-precision saves for float32 ops
-(:mod:`.saves`), the LM head and loss in blocks of rows (:mod:`.chunked_loss`), low-precision weights
-with float32 masters (:mod:`.master`).
+(:mod:`.saves`), the LM head's lazy logits (:mod:`.chunked_loss`) and its loss fused a block of rows at
+a time with the gradients made in the forward (:mod:`.fused_loss`), low-precision weights with float32
+masters (:mod:`.master`).
 
 May import: :mod:`amp_backends.precision`, :mod:`amp_backends.distributed`, :mod:`amp_backends.backend`,
 :mod:`amp_backends.registry`, :mod:`amp_backends.scaler`, :mod:`amp_backends.tracing`,
@@ -12,11 +13,12 @@ May import: :mod:`amp_backends.precision`, :mod:`amp_backends.distributed`, :mod
 
 from __future__ import annotations
 
-from .chunked_loss import LazyLogits, lazy_head, linear_cross_entropy
+from .chunked_loss import LazyHeadError, LazyLogits, head_lever_refusal, lazy_head
+from .fused_loss import linear_cross_entropy
 from .lean import Lean, LeanError, memory_lean
 from .ledger import PARTS, Ledger, MemoryReport
 from .master import MasterWeights
 from .saves import low_precision_saves
 
-__all__ = ["PARTS", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights", "MemoryReport", "lazy_head",
-           "linear_cross_entropy", "low_precision_saves", "memory_lean"]
+__all__ = ["PARTS", "LazyHeadError", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights", "MemoryReport",
+           "head_lever_refusal", "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean"]

@@ -1,108 +1,60 @@
-"""The loss over a large vocabulary without the logits: an LM head and cross-entropy computed a block
-of rows at a time, recomputed in backward.
+"""A model's LM head whose logits are never made whole: :class:`LazyLogits`, :func:`lazy_head`.
 
-Under autocast the head's logits are low precision, and cross-entropy (an op every device's autocast
-runs in float32) makes a float32 copy and saves its float32 log-softmax: for GPT-2 at 8,192 tokens
-those are 1.5 GiB each, the largest tensors of the step. :func:`linear_cross_entropy` never holds more
-than one block of rows' logits: the forward sums each block's loss and keeps only the head's input,
-weight and targets; the backward computes each block again, with the same ops as the plain path
-(low-precision matmul, the float32 upcast, cross-entropy), and accumulates the weight's gradient in
-float32. The loss equals the plain one to the last bits of a float32 sum, the input's gradient is
-each row's own (equal where the matmul's result does not depend on how many rows it is given), the
-weight's gradient is a float32 sum where the plain path rounds to the low dtype.
+A head wrapped by :func:`lazy_head` returns, instead of logits, a tensor that knows how to make them
+from the head's input, weight and bias as they were in the forward. Reshapes that keep the vocabulary
+as the last dimension, ``flatten`` of the leading dimensions and ``.float()`` stay lazy;
+``F.cross_entropy`` of it (class-index targets, ``'mean'`` or ``'sum'``, any ``weight``,
+``ignore_index`` or ``label_smoothing``) runs the fused :func:`.fused_loss.linear_cross_entropy`;
+anything else computes the logits whole, once per use (correct, without the saving; a warning says so).
+It never computes from stale or edited state:
 
-:class:`LazyLogits` lets a model keep its code: a head wrapped by :func:`lazy_head` returns, instead
-of logits, a tensor that knows how to make them; reshaping it and ``.float()`` stay lazy,
-``F.cross_entropy`` of it runs :func:`linear_cross_entropy`, and anything else computes the logits
-whole (correct, without the saving).
+- an in-place op or ``out=`` on lazy logits (``logits[..., banned] = -inf``, ``masked_fill_``,
+  ``div_``) raises (the edit would not reach the loss): edit out of place, which computes them whole;
+- a use after the head's weight or bias, or its input, changed (an ``optimizer.step()``, a
+  ``load_state_dict``, an in-place edit; seen by their version counters and storages) raises: read the
+  logits before ``optimizer.step()``;
+- logits made with grad mode off carry no gradient, as plain ones would;
+- inside ``torch.compile`` the head returns plain logits (correct, no saving), so a compiled step works;
+- under ``torch.distributed`` with more than one process, with FSDP2's DTensor weights, for a head that
+  an fp8 recipe or a precision policy's float32 runs, or that ``quant_stats`` watches, the lever is
+  refused (:func:`head_lever_refusal`): the lazy logits have no autograd graph to the head, so DDP's
+  reducer, FSDP's resharding and quant_stats's gradient hooks would not see the head's gradients.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["LazyLogits", "chunk_rows", "lazy_head", "linear_cross_entropy"]
+from ..errors import AmpBackendsError
+from ..precision.fp32_forward import Fp32Forward
+from .fused_loss import chunk_rows, linear_cross_entropy
 
-#: Bytes of float32 logits one block may hold (a block's working set is a few times this).
-BLOCK_BYTES = 64 * 2**20
+__all__ = ["LazyHeadError", "LazyLogits", "chunk_rows", "head_lever_refusal", "lazy_head", "linear_cross_entropy",
+           "undo_lazy_head"]
 
-
-def chunk_rows(vocab: int) -> int:
-    """Rows per block: float32 logits of at most :data:`BLOCK_BYTES`."""
-    return max(1, BLOCK_BYTES // (4 * vocab))
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
-                compute: torch.dtype, upcast: bool, ignore_index: int, reduction: str, rows: int) -> torch.Tensor:
-        hc, wc = h.to(compute), w.to(compute)
-        bc = None if b is None else b.to(compute)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        with torch.no_grad():
-            for s in range(0, h.shape[0], rows):
-                logits = F.linear(hc[s:s + rows], wc, bc)
-                total += F.cross_entropy(logits.float() if upcast else logits, target[s:s + rows],
-                                         ignore_index=ignore_index, reduction="sum").float()
-        count = (target != ignore_index).sum() if reduction == "mean" else None
-        ctx.save_for_backward(hc, wc, bc, target, count)
-        ctx.meta = (h.dtype, w.dtype, None if b is None else b.dtype, upcast, ignore_index, rows)
-        return total / count if count is not None else total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        hc, wc, bc, target, count = ctx.saved_tensors
-        h_dtype, w_dtype, b_dtype, upcast, ignore_index, rows = ctx.meta
-        scale = grad / count if count is not None else grad
-        gh = torch.empty(hc.shape, dtype=h_dtype, device=hc.device) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros(wc.shape, dtype=torch.float32, device=wc.device) if ctx.needs_input_grad[1] else None
-        gb = torch.zeros(wc.shape[0], dtype=torch.float32, device=wc.device) if bc is not None and ctx.needs_input_grad[2] else None
-        for s in range(0, hc.shape[0], rows):
-            block = hc[s:s + rows]
-            with torch.enable_grad():
-                logits = F.linear(block, wc, bc).detach().requires_grad_(True)
-                loss = F.cross_entropy(logits.float() if upcast else logits, target[s:s + rows],
-                                       ignore_index=ignore_index, reduction="sum")
-                (g_logits,) = torch.autograd.grad(loss, logits, scale.to(loss.dtype))
-            if gh is not None:
-                gh[s:s + rows] = (g_logits @ wc).to(h_dtype)
-            if gw is not None:
-                gw.addmm_(g_logits.t().float(), block.float())
-            if gb is not None:
-                gb += g_logits.float().sum(0)
-        return (gh, None if gw is None else gw.to(w_dtype), None if gb is None else gb.to(b_dtype),
-                None, None, None, None, None, None)
+_OFF = "or turn the head lever off (memory_lean(..., lm_head=None))"
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         bias: torch.Tensor | None = None, *, ignore_index: int = -100, reduction: str = "mean",
-                         upcast: bool = True, rows: int | None = None) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target)`` over ``hidden``'s rows (all
-    dimensions but the last flattened), a block of ``rows`` at a time, never holding the whole logits
-    (see the module docstring). The head runs in the autocast dtype where autocast is on for
-    ``hidden``'s device, as ``F.linear`` would; ``upcast``: the logits are made float32 before the
-    loss, as autocast and most training code do."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"linear_cross_entropy(reduction={reduction!r}): 'mean' or 'sum' (for per-row losses, "
-                         "compute the logits whole)")
-    device_type = hidden.device.type
-    compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-    h = hidden.reshape(-1, hidden.shape[-1])
-    t = target.reshape(-1)
-    if t.shape[0] != h.shape[0]:
-        raise ValueError(f"linear_cross_entropy: {h.shape[0]} rows of hidden states and {t.shape[0]} targets")
-    with torch.autocast(device_type, enabled=False):
-        return _LinearCrossEntropy.apply(h, weight, bias, t, compute, upcast, ignore_index, reduction,
-                                         rows or chunk_rows(weight.shape[0]))
+class LazyHeadError(AmpBackendsError, RuntimeError):
+    """Lazy logits asked to do what would train or read silently wrong (nothing was changed)."""
 
 
-_LAZY_SHAPE = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape, torch.Tensor.flatten, torch.flatten}
+_INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul"))
 _WARNED: set[str] = set()
+
+
+def _stamp(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, ...]:
+    """What identifies the state the logits are made of: version counters and storages."""
+    return (hidden._version, weight._version, weight.untyped_storage()._cdata,
+            None if bias is None else bias._version, None if bias is None else bias.untyped_storage()._cdata)
 
 
 class LazyLogits(torch.Tensor):
@@ -113,78 +65,135 @@ class LazyLogits(torch.Tensor):
     _head: tuple[torch.Tensor, torch.Tensor | None]
     _autocast: tuple[bool, torch.dtype]
     _upcast: bool
+    _grad_mode: bool
+    _stamp: tuple[Any, ...]
 
     @staticmethod
     def __new__(cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                autocast: tuple[bool, torch.dtype], upcast: bool = False) -> LazyLogits:
+                autocast: tuple[bool, torch.dtype], upcast: bool = False, grad: bool | None = None,
+                stamp: tuple[Any, ...] | None = None) -> LazyLogits:
         enabled, low = autocast
         dtype = torch.float32 if upcast else (low if enabled else hidden.dtype)
+        grad = torch.is_grad_enabled() if grad is None else grad
+        needs = grad and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
         self = torch.Tensor._make_wrapper_subclass(
-            cls, (*hidden.shape[:-1], weight.shape[0]), dtype=dtype, device=hidden.device,
-            requires_grad=hidden.requires_grad or weight.requires_grad)
+            cls, (*hidden.shape[:-1], weight.shape[0]), dtype=dtype, device=hidden.device, requires_grad=needs)
         self._hidden, self._head, self._autocast, self._upcast = hidden, (weight, bias), autocast, upcast
+        self._grad_mode = grad
+        self._stamp = _stamp(hidden, weight, bias) if stamp is None else stamp
         return self
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        raise RuntimeError(f"lazy logits reached {func} below autograd (inside torch.compile or a dispatch mode?): "
-                           "turn the chunked loss off for this model (lean(..., loss=None)) or compute the logits "
-                           "before that point")
+        raise LazyHeadError(f"lazy logits reached {func} below autograd (a dispatch mode, or a tracer other than "
+                            f"torch.compile?): compute the logits before that point, {_OFF}")
+
+    # -- state ---------------------------------------------------------------------------------
+    def _check_fresh(self, use: str) -> None:
+        weight, bias = self._head
+        now = _stamp(self._hidden, weight, bias)
+        if now == self._stamp:
+            if weight.untyped_storage().nbytes() == 0:
+                raise LazyHeadError(f"lazy logits used by {use} after the head's weight was freed (FSDP resharded "
+                                    f"it?): compute the loss inside the forward, {_OFF}")
+            return
+        what = "input (the hidden states) was edited in place" if now[0] != self._stamp[0] else (
+            "weight or bias changed (an optimizer.step(), load_state_dict or an in-place edit)")
+        raise LazyHeadError(f"lazy logits used by {use} after the head's {what} since the forward that made them: "
+                            "they would be computed from the new state, not the one the forward saw. Read the logits "
+                            f"(the loss, an accuracy) before optimizer.step(), {_OFF}")
+
+    def _mode(self) -> Any:
+        return torch.set_grad_enabled(self._grad_mode and torch.is_grad_enabled())
 
     def materialize(self) -> torch.Tensor:
-        """The logits, computed whole (differentiable)."""
+        """The logits, computed whole (differentiable where they were made with grad mode on)."""
+        self._check_fresh("materialize")
+        return self._compute()
+
+    def _compute(self) -> torch.Tensor:
         weight, bias = self._head
         enabled, low = self._autocast
-        with torch.autocast(self._hidden.device.type, dtype=low, enabled=enabled):
+        with self._mode(), torch.autocast(self._hidden.device.type, dtype=low, enabled=enabled):
             out = F.linear(self._hidden, weight, bias)
         return out.float() if self._upcast else out
 
     def _like(self, hidden: torch.Tensor | None = None, upcast: bool | None = None) -> LazyLogits:
         return LazyLogits(self._hidden if hidden is None else hidden, *self._head, self._autocast,
-                          self._upcast if upcast is None else upcast)
+                          self._upcast if upcast is None else upcast, self._grad_mode, self._stamp)
 
+    # -- torch functions -----------------------------------------------------------------------------
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__len__) or getattr(func, "__name__", "") in (
-                "__get__",):  # shape, dtype, device, requires_grad...: the wrapper's own metadata
-            with torch._C.DisableTorchFunctionSubclass():
+        name = getattr(func, "__name__", str(func))
+        if func in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__len__, torch.Tensor.numel) or name == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():  # shape, dtype, device, requires_grad: the wrapper's own
                 return func(*args, **kwargs)
         self = args[0] if args else None
+        if isinstance(self, LazyLogits) and (name == "__setitem__" or name in _INPLACE_DUNDERS
+                                             or (name.endswith("_") and not name.startswith("_"))):
+            raise LazyHeadError(
+                f"lazy logits cannot be edited in place ({name}): the edit would not reach the loss. Edit them out of "
+                "place (logits = logits.masked_fill(mask, float('-inf')), logits = logits / temperature), which "
+                f"computes them whole, {_OFF}")
+        if "out" in kwargs and any(isinstance(t, LazyLogits) for t in tree_leaves(kwargs["out"])):
+            raise LazyHeadError(f"lazy logits cannot be written by {name}(out=...): pass a plain tensor as out=, {_OFF}")
         if isinstance(self, LazyLogits):
             lazy = self._lazy(func, args[1:], kwargs)
             if lazy is not None:
                 return lazy
-        if func is F.cross_entropy and isinstance(args[0], LazyLogits) and args[0].dim() == 2:
-            out = args[0]._cross_entropy(*args[1:], **kwargs)
-            if out is not None:
-                return out
-        name = getattr(func, "__name__", str(func))
+            if func is F.cross_entropy and self.dim() == 2:
+                out = self._cross_entropy(*args[1:], **kwargs)
+                if out is not None:
+                    return out
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, LazyLogits):
+                t._check_fresh(name)
         if name not in _WARNED:
             _WARNED.add(name)
             warnings.warn(f"lean memory: the logits of a lazy LM head were used by {name}, so they were computed whole "
                           "(no saving there): reshape, .float() and F.cross_entropy keep them lazy", RuntimeWarning,
                           stacklevel=3)
-        plain = [a.materialize() if isinstance(a, LazyLogits) else a for a in args]
-        return func(*plain, **{k: (v.materialize() if isinstance(v, LazyLogits) else v) for k, v in kwargs.items()})
+        plain = [a._compute() if isinstance(a, LazyLogits) else a for a in args]
+        return func(*plain, **{k: (v._compute() if isinstance(v, LazyLogits) else v) for k, v in kwargs.items()})
+
+    def _shape(self, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+        """The shape a reshape/view asks for, -1 resolved; None unless it keeps the vocabulary last."""
+        shape: Any = kwargs.get("shape", kwargs.get("size", rest[0] if len(rest) == 1 else rest))
+        if isinstance(shape, int):
+            shape = (shape,)
+        if not isinstance(shape, (tuple, list, torch.Size)) or not all(isinstance(s, int) for s in shape):
+            return None  # view(dtype) and the like
+        shape = list(shape)
+        numel = math.prod(self.shape)
+        if shape.count(-1) > 1:
+            return None
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            if known == 0 or numel % known:
+                return None
+            shape[shape.index(-1)] = numel // known
+        if math.prod(shape) != numel or not shape or shape[-1] != self.shape[-1]:
+            return None
+        return tuple(shape)
 
     def _lazy(self, func: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> LazyLogits | None:
-        vocab = self.shape[-1]
-        if func in _LAZY_SHAPE:
-            if func in (torch.Tensor.flatten, torch.flatten):
-                start = kwargs.get("start_dim", rest[0] if rest else 0)
-                end = kwargs.get("end_dim", rest[1] if len(rest) > 1 else -1)
-                if end not in (-1, self.dim() - 1) or start >= self.dim() - 1:
-                    return None
-                return self._like(hidden=self._hidden.flatten(start, -2) if start < self.dim() - 1 else self._hidden)
-            shape = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
-            shape = tuple(int(s) for s in shape)
-            if not shape or shape[-1] not in (vocab, -1) or (shape[-1] == -1 and len(shape) > 1 and -1 in shape[:-1]):
+        if func in (torch.Tensor.reshape, torch.Tensor.view, torch.reshape):
+            shape = self._shape(rest, kwargs)
+            if shape is None:
                 return None
-            lead = shape[:-1]
-            return self._like(hidden=self._hidden.reshape(*lead, self._hidden.shape[-1]))
-        if func is torch.Tensor.float or (func is torch.Tensor.to and kwargs.get("dtype", rest[0] if rest else None)
-                                          is torch.float32 and len(rest) <= 1):
+            return self._like(hidden=self._hidden.reshape(*shape[:-1], self._hidden.shape[-1]))
+        if func in (torch.Tensor.flatten, torch.flatten):
+            dim = self.dim()
+            start = kwargs.get("start_dim", rest[0] if rest else 0)
+            end = kwargs.get("end_dim", rest[1] if len(rest) > 1 else -1)
+            start, end = start % dim, end % dim
+            if end == dim - 1:  # the vocabulary is flattened in: (B*T*V,) as torch gives, computed whole
+                return self if start == dim - 1 else None
+            return self._like(hidden=self._hidden.flatten(start, end))
+        if func is torch.Tensor.float or (func is torch.Tensor.to and len(rest) <= 1 and not (set(kwargs) - {"dtype"})
+                                          and kwargs.get("dtype", rest[0] if rest else None) is torch.float32):
             return self._like(upcast=True)
         if func is torch.Tensor.contiguous:
             return self
@@ -192,14 +201,73 @@ class LazyLogits(torch.Tensor):
 
     def _cross_entropy(self, target: torch.Tensor, weight: Any = None, size_average: Any = None, ignore_index: int = -100,
                        reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor | None:
-        if weight is not None or size_average is not None or reduce is not None or label_smoothing or \
-                reduction not in ("mean", "sum") or target.dim() != 1 or target.is_floating_point():
-            return None
+        if size_average is not None or reduce is not None or reduction not in ("mean", "sum") or \
+                not isinstance(target, torch.Tensor) or target.dim() != 1 or target.is_floating_point():
+            return None  # per-row losses, class probabilities, the legacy arguments: computed whole
+        self._check_fresh("F.cross_entropy")
         weight_, bias = self._head
         enabled, low = self._autocast
-        with torch.autocast(self._hidden.device.type, dtype=low, enabled=enabled):
+        with self._mode(), torch.autocast(self._hidden.device.type, dtype=low, enabled=enabled):
             return linear_cross_entropy(self._hidden, weight_, target, bias, ignore_index=ignore_index,
-                                        reduction=reduction, upcast=self._upcast)
+                                        reduction=reduction, label_smoothing=label_smoothing, class_weight=weight,
+                                        upcast=self._upcast)
+
+
+# -- the head ---------------------------------------------------------------------------------------
+def _watched_by_quant_stats(module: nn.Module) -> bool:
+    return any(getattr(hook, "__qualname__", "").startswith("QuantStats.") for hook in module._forward_hooks.values())
+
+
+def _module_refusal(module: nn.Module) -> str | None:
+    """Why ``module`` cannot be a lazy head, from the module alone, or None."""
+    from ..precision.fp8.engine import is_fp8
+
+    if is_fp8(module) or isinstance(getattr(module, "fp8_recipe", None), str):
+        return ("the LM head is an fp8 layer: lazy logits would run it in the autocast dtype, not its fp8 recipe; "
+                "keep the head out of the fp8 conversion, " + _OFF)
+    held = module.__dict__.get("forward")
+    if isinstance(held, Fp32Forward) and held.holders:
+        return ("a precision policy runs the LM head in float32: lazy logits would bypass it; drop the head from the "
+                "policy's float32 layers, " + _OFF)
+    if _watched_by_quant_stats(module):
+        return ("quant_stats watches the LM head: lazy logits have no gradient hook, so its gradient operands would "
+                "never be measured; leave the head out of quant_stats(layers=...), " + _OFF)
+    if hasattr(module.weight, "device_mesh"):
+        return ("the LM head's weight is a DTensor (FSDP2): its unsharded weight is freed after the forward, before "
+                "the lazy logits are read; " + _OFF.replace("or turn", "turn"))
+    return None
+
+
+def _distributed_refusal(model: nn.Module | None = None) -> str | None:
+    """Why the lever cannot work under the distributed setup in place, or None."""
+    parallel = None
+    if model is not None:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            parallel = "the model is wrapped in DistributedDataParallel"
+        elif any(hasattr(p, "device_mesh") for p in model.parameters()):
+            parallel = "the model's parameters are DTensors (FSDP2)"
+    if parallel is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world > 1:
+            parallel = f"torch.distributed runs {world} processes"
+    if parallel is None:
+        return None
+    return (f"memory_lean(lm_head=...): {parallel}, and lazy logits have no autograd graph back to the head in the "
+            "forward, so DDP and FSDP would not see the head's weight gradient (never reduced across ranks, or its "
+            "storage freed). Turn the head lever off (memory_lean(..., lm_head=None)); to keep the saving, compute the "
+            "loss inside the wrapped model's forward with amp_backends.memory.linear_cross_entropy(hidden, "
+            "head.weight, labels), whose graph DDP and FSDP see")
+
+
+def head_lever_refusal(model: nn.Module | None, head: nn.Module) -> str | None:
+    """Why ``head`` of ``model`` cannot take the lazy-head lever here, or None where it can: an fp8 head,
+    one a precision policy runs in float32, one quant_stats watches, and distributed training (DDP, FSDP2,
+    any process group of more than one process). For :func:`memory_lean` to call before it changes
+    anything (raising its own error with this message); :func:`lazy_head` and every forward of a lazy
+    head check the same."""
+    if not isinstance(head, nn.Linear):
+        return f"memory_lean(lm_head=...): the head must be an nn.Linear, got {type(head).__name__}"
+    return _module_refusal(head) or _distributed_refusal(model)
 
 
 class _LazyHead:
@@ -209,7 +277,15 @@ class _LazyHead:
     def __init__(self, module: nn.Linear, previous: Any) -> None:
         self.module, self.previous = module, previous
 
+    def _plain(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.previous(hidden) if self.previous is not None else type(self.module).forward(self.module, hidden)
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._plain(hidden)  # a compiled graph cannot carry lazy logits: plain ones, no saving
+        reason = _module_refusal(self.module) or _distributed_refusal()
+        if reason is not None:
+            raise LazyHeadError(reason)
         device_type = hidden.device.type
         enabled = torch.is_autocast_enabled(device_type)
         low = torch.get_autocast_dtype(device_type) if enabled else hidden.dtype
@@ -217,15 +293,23 @@ class _LazyHead:
 
 
 def lazy_head(module: nn.Linear) -> _LazyHead:
-    """Make ``module`` (an ``nn.Linear`` head) return :class:`LazyLogits`; ``undo_lazy_head`` reverses it."""
+    """Make ``module`` (an ``nn.Linear`` head) return :class:`LazyLogits`; :func:`undo_lazy_head` reverses
+    it. Refused (:class:`LazyHeadError`, nothing changed) where :func:`head_lever_refusal` says so."""
     if not isinstance(module, nn.Linear):
         raise TypeError(f"a lazy LM head is an nn.Linear, got {type(module).__name__}")
-    wrapper = _LazyHead(module, module.__dict__.get("forward"))
+    reason = _module_refusal(module)
+    if reason is not None:
+        raise LazyHeadError(reason)
+    held = module.__dict__.get("forward")
+    if isinstance(held, _LazyHead):
+        return held
+    wrapper = _LazyHead(module, held)
     module.forward = wrapper  # type: ignore[method-assign]
     return wrapper
 
 
 def undo_lazy_head(module: nn.Linear) -> None:
+    """Give ``module`` back the forward it had before :func:`lazy_head`."""
     wrapper = module.__dict__.get("forward")
     if isinstance(wrapper, _LazyHead):
         if wrapper.previous is None:

@@ -5,7 +5,9 @@ Where a device's autocast runs ``layer_norm``, ``group_norm``, ``softmax`` or ``
 is what autograd saves: twice the bytes of the input it came from. :func:`low_precision_saves` makes
 these modules save the low-precision input instead and upcast it again in backward. That is exact:
 an upcast from bfloat16 or float16 to float32 is exact and the same every time, so the backward sees
-the very float32 tensor autocast would have saved, and the gradients are bitwise the same. Only low-
+the very float32 tensor autocast would have saved, and the gradients are bitwise the same. Under
+``create_graph=True`` (a gradient penalty) the backward recomputes differentiably from the saved input,
+so second-order terms reach the input and the norm's weight and bias as through autocast's own path. Only low-
 precision inputs are affected (a float32 input is saved as it is: rounding it would change the
 gradients), and only where autocast would run the op in float32 (on a CPU, autocast runs layer_norm
 and softmax in the input's dtype already: nothing to gain, nothing changed). Asked of the device, once
@@ -62,18 +64,26 @@ class _Fp32SavingLow(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, *saved = ctx.saved_tensors
         params = [s if s is not None else p for s, p in zip(saved, ctx.plain)]
+        needs = ctx.needs_input_grad[1:]
+        higher = torch.is_grad_enabled()
+        if higher:  # create_graph=True: differentiate the recomputation itself (second order kept)
+            out = ctx.fn(x.float(), *params)
+            leaves = [x, *params]
+        else:
+            with torch.enable_grad():
+                x32 = x.detach().float().requires_grad_(needs[0])
+                leaves = [x32, *[p.detach().requires_grad_(need) if isinstance(p, torch.Tensor) else p
+                                 for p, need in zip(params, needs[1:])]]
+                out = ctx.fn(*leaves)
+        wanted = [t for t, need in zip(leaves, needs) if need and isinstance(t, torch.Tensor)]
         with torch.enable_grad():
-            x32 = x.detach().float().requires_grad_(ctx.needs_input_grad[1])
-            tensors = [p.detach().requires_grad_(need) if isinstance(p, torch.Tensor) else p
-                       for p, need in zip(params, ctx.needs_input_grad[2:])]
-            out = ctx.fn(x32, *tensors)
-            wanted = [t for t, need in zip([x32, *tensors], ctx.needs_input_grad[1:])
-                      if need and isinstance(t, torch.Tensor)]
-            grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        gx = next(grads).to(x.dtype) if ctx.needs_input_grad[1] else None
-        rest = [next(grads) if need and isinstance(p, torch.Tensor) else None
-                for p, need in zip(params, ctx.needs_input_grad[2:])]
-        return (None, gx, *rest)
+            got = torch.autograd.grad(out, wanted, grad, create_graph=higher,
+                                      allow_unused=True) if wanted else ()
+        grads = iter(got)
+        result = [next(grads) if need and isinstance(t, torch.Tensor) else None for t, need in zip(leaves, needs)]
+        if result[0] is not None:
+            result[0] = result[0].to(x.dtype)
+        return (None, *result)
 
 
 def _layer_norm(x: torch.Tensor, weight: Any, bias: Any, shape: Any, eps: float) -> torch.Tensor:
