@@ -1,6 +1,6 @@
 """Gradient-kernel benchmark: Triton fused kernels against torch's own ops, same run.
 
-    python bench/unscale.py                 # on a CUDA GPU: the full table (under a minute on an H100)
+    python bench/unscale.py                 # on a CUDA GPU: the full table (meant to take under a minute on an H100)
     python bench/unscale.py --json out.json
     python bench/unscale.py --sweep         # the kernel's launch shapes: the best per dtype and layout
     python bench/unscale.py --sweep --blocks 16384,32768 --warps 8 --json sweep.json

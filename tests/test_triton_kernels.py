@@ -23,7 +23,7 @@ from conftest import run_json  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-B = _kernels.BLOCK
+B = _kernels.BLOCK  # fp32's; 16-bit blocks hold twice the elements (the same bytes)
 KERNEL = TritonKernel()
 KERNEL.min_elements = 0  # the Triton code itself, at every size (small groups otherwise go to torch's op)
 
@@ -42,8 +42,9 @@ def _check(kernel, tensors, found, norm_sq=None):
 
 
 def _tensors(dtype, seed=0):
-    """Sizes off the block size, one element, empty, transposed (dense) and sliced (not dense)."""
+    """Sizes off the dtype's block size, one element, empty, transposed (dense) and sliced (not dense)."""
     g = torch.Generator().manual_seed(seed)
+    B = _kernels.tuning(torch.empty((), dtype=dtype).element_size()).block  # noqa: N806 - the module's B, per dtype
 
     def rnd(*shape):
         # random, never zero, spread over a wide range
