@@ -1,5 +1,6 @@
 """The Triton kernel compiled ahead of time for sm_80, sm_90 and gfx942 on this (GPU-less) machine:
-every specialisation the launches use compiles, the aligned ones move 128 bits per access, none spills."""
+every specialisation the launches use compiles, the aligned ones move 128 bits per access, none spills,
+and every dtype keeps as many bytes in flight per NVIDIA multiprocessor as fp32 (the registers allow it)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,40 @@ def test_unaligned_bases_stay_scalar_and_correct_by_construction(variants):
 def test_no_register_spills(variants):
     assert all(v["spills"] == 0 for v in variants)
     assert all(v["registers"] and v["registers"] <= 128 for v in variants)
+
+
+SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def test_every_dtype_moves_the_same_bytes_per_program(variants):
+    assert len({v["block"] * SIZES[v["dtype"]] for v in variants}) == 1
+
+
+def test_16_bit_blocks_keep_as_many_bytes_in_flight_as_fp32(variants):
+    """Programs resident per SM (the registers' limit) times bytes per program, for the unscale and the
+    check: at least the 64 KiB the fp32 unscale kept when it reached a device copy's bandwidth on an
+    H100 (4 programs of 16 KiB; 16-bit blocks of 8 KiB, 32-40 KiB per SM, reached 85-87% there).
+    The norms (the clip path) hold an fp32 square per element: at least 32 KiB."""
+    for v in variants:
+        if not v["target"].startswith("sm_") or not v["aligned"]:
+            continue
+        in_flight = v["ctas_per_sm"] * v["block"] * SIZES[v["dtype"]]
+        floor = 32 * 1024 if v["op"].endswith("norm") else 64 * 1024
+        assert in_flight >= floor, (v["target"], v["dtype"], v["op"], v["registers"], in_flight)
+
+
+def test_the_launch_shape_sweep_compiles(tmp_path):
+    """``--sweep``: the aligned unscale per dtype at each given block size and warp count."""
+    out = tmp_path / "sweep.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "amp_backends_plugins.triton.aot", "--sweep", "--targets", "sm_90",
+         "--block-bytes", "16384", "--warps", "4,8", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["variants"]
+    assert sorted((v["dtype"], v["block"], v["num_warps"]) for v in rows) == sorted(
+        (d, 16384 // n, w) for d, n in SIZES.items() for w in (4, 8))
+    assert all(v["load_bits"] == 128 and v["spills"] == 0 and v["ctas_per_sm"] for v in rows)
+    assert "CTA/SM" in proc.stdout

@@ -23,7 +23,7 @@ from conftest import run_json  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-B = _kernels.BLOCK
+B = _kernels.BLOCK  # fp32's; 16-bit blocks hold twice the elements (the same bytes)
 KERNEL = TritonKernel()
 KERNEL.min_elements = 0  # the Triton code itself, at every size (small groups otherwise go to torch's op)
 
@@ -42,8 +42,9 @@ def _check(kernel, tensors, found, norm_sq=None):
 
 
 def _tensors(dtype, seed=0):
-    """Sizes off the block size, one element, empty, transposed (dense) and sliced (not dense)."""
+    """Sizes off the dtype's block size, one element, empty, transposed (dense) and sliced (not dense)."""
     g = torch.Generator().manual_seed(seed)
+    B = _kernels.tuning(torch.empty((), dtype=dtype).element_size()).block  # noqa: N806 - the module's B, per dtype
 
     def rnd(*shape):
         # random, never zero, spread over a wide range
@@ -278,6 +279,27 @@ def test_benchmark_script_runs(tmp_path):
     assert "speedup" in proc.stdout and data["triton"]
 
 
+def test_benchmark_sweep_runs_and_suggests_a_shape_per_element_size(tmp_path):
+    """bench/unscale.py --sweep end to end at tiny sizes: every dtype x layout x shape timed, the best
+    per case and a TUNING entry for 4- and 2-byte elements printed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "unscale.py"
+    out = tmp_path / "s.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0" if CUDA else "1"}
+    args = [sys.executable, str(script), "--smoke", "--sweep", "--blocks", "2048,4096", "--warps", "4", "--json", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["sweep"]
+    assert sorted((r["dtype"], r["case"], r["block_bytes"]) for r in rows) == sorted(
+        (d, c, b) for d in ("float32", "float16", "bfloat16") for c in ("arena", "misaligned") for b in (2048, 4096))
+    assert all(r["pct_of_copy"] > 0 and r["block"] * {"float32": 4}.get(r["dtype"], 2) == r["block_bytes"] for r in rows)
+    assert "best per case:" in proc.stdout and "  4: Tuning(" in proc.stdout and "  2: Tuning(" in proc.stdout
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_small_groups_go_to_torchs_op_with_the_same_results(dtype, monkeypatch):
     small = TritonKernel()
@@ -303,3 +325,184 @@ def test_small_groups_go_to_torchs_op_with_the_same_results(dtype, monkeypatch):
     monkeypatch.undo()
     assert amp_backends.gradients.selfcheck.kernel_self_check(small, torch.device(DEVICE)) is None
     assert small.min_elements == 10**9, "restored after the self-check"
+
+
+# -- launch shape and misaligned gradients (issue 44, item 4) ------------------------------------------------------
+
+
+class _Launches:
+    """Records each launch of the kernel (its arguments) and runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _covered(base_ptr, starts, lengths, itemsize, block, vec):
+    """Element addresses (from base_ptr) each block covers, counted; every full block checked to start
+    on a 16-byte boundary."""
+    counts = {}
+    for s, n in zip(starts.tolist(), lengths.tolist()):
+        if n == block:
+            assert (base_ptr + s * itemsize) % 16 == 0, f"a full block at element {s} is not 16-byte aligned"
+        for e in range(s, s + n):
+            counts[e] = counts.get(e, 0) + 1
+    return counts
+
+
+def test_block_table_cuts_a_head_only_where_a_gradient_starts_off_the_boundary():
+    # offsets 0 (aligned), 6 (2 elements short of 8), 13 (3 short of 16), 17 (7 short, 2 elements long)
+    starts, lengths = _kernels._table([0, 6, 13, 17], [9, 10, 20, 2], torch.device("cpu"), block=4, vec=4)
+    assert list(zip(starts.tolist(), lengths.tolist())) == [
+        (0, 4), (4, 4), (8, 1),             # cut from its own start: no head
+        (6, 2), (8, 4), (12, 4),            # head up to 8, then blocks from there
+        (13, 3), (16, 4), (20, 4), (24, 4), (28, 4), (32, 1),
+        (17, 2),                            # shorter than its head: one block
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_misaligned_gradients_take_the_vectorized_body_with_torchs_results(dtype, monkeypatch):
+    """Views packed from a base 1 and VEC-1 elements past a 16-byte boundary (a DDP bucket, a packed
+    buffer): launched from the boundary before them, every full block aligned, each element covered
+    once, results bitwise torch's, an inf/NaN found in a head, a body and a tail."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    vec = 16 // itemsize
+    block = _kernels.tuning(itemsize).block
+    assert block * itemsize == _kernels.tuning(4).block * 4, "every dtype moves the same bytes per program"
+    sizes = (3, 2 * block + 5, 1, 37, block + 9)
+    for shift in (1, vec - 1):
+        for bad_at in (None, (1, 0), (1, block), (4, block + 8)):  # head, a full block, a tail
+            raw = torch.zeros(sum(sizes) + 2 * vec, dtype=dtype, device=DEVICE)
+            assert raw.data_ptr() % 16 == 0
+            g = torch.Generator().manual_seed(shift)
+            packed, at = [], shift
+            for n in sizes:
+                view = raw[at:at + n]
+                view.copy_((torch.randn(n, generator=g) * 8).to(dtype))
+                packed.append(view)
+                at += n
+            if bad_at is not None:
+                packed[bad_at[0]][bad_at[1]] = math.nan if bad_at[0] == 4 else math.inf
+            ref, ref_found = _reference(packed, 0.375)
+            launches = _Launches(_kernels._grad_kernel)
+            monkeypatch.setattr(_kernels, "_grad_kernel", launches)
+            found = torch.zeros((), device=DEVICE)
+            _unscale(KERNEL, packed, found, torch.tensor(0.375, device=DEVICE))
+            monkeypatch.undo()
+            assert found.item() == ref_found.item() == (0.0 if bad_at is None else 1.0)
+            for a, b in zip(packed, ref):
+                _same(a, b)
+            (args, kwargs), = launches.calls
+            base, starts, lengths = args[0], args[1], args[2]
+            assert base.data_ptr() % 16 == 0 and kwargs["ALIGNED"] and kwargs["BLOCK"] == block
+            counts = _covered(base.data_ptr(), starts, lengths, itemsize, block, vec)
+            first = (raw.data_ptr() - base.data_ptr()) // itemsize + shift
+            assert counts == {first + i: 1 for i in range(sum(sizes))}, "every element once, nothing else"
+            heads, off = [], first
+            for n in sizes:
+                heads.append(min(-off % vec, n))
+                off += n
+            expected_full = sum((n - h) // block for n, h in zip(sizes, heads))
+            assert int((lengths == block).sum()) == expected_full >= 2, "each body in full (vectorized) blocks"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_misaligned_flat_buffer_takes_the_vectorized_body(dtype, monkeypatch):
+    """An arena-layout group whose buffer starts off the boundary: the same, through run_flat."""
+    from amp_backends.gradients.groups import FlatGroup, layout
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    block = _kernels.tuning(itemsize).block
+    sizes = (5, block + 3, 37)
+    offsets, total = layout(sizes, itemsize)
+    raw = torch.zeros(total + 8, dtype=dtype, device=DEVICE)
+    buffer = raw[1:1 + total]
+    g = torch.Generator().manual_seed(7)
+    params = []
+    for off, n in zip(offsets, sizes):
+        p = torch.zeros(n, dtype=dtype, device=DEVICE)
+        p.grad = buffer[off:off + n]
+        p.grad.copy_((torch.randn(n, generator=g) * 4).to(dtype))
+        params.append(p)
+    group = FlatGroup(buffer.device, dtype, buffer, tuple(params), tuple(offsets), sizes, tuple(torch.Size([n]) for n in sizes))
+    ref, _ = _reference([p.grad for p in params], 0.5)
+    launches = _Launches(_kernels._grad_kernel)
+    monkeypatch.setattr(_kernels, "_grad_kernel", launches)
+    found = torch.zeros((), device=DEVICE)
+    KERNEL.grad_op_(group, found, torch.tensor(0.5, device=DEVICE))
+    assert found.item() == 0.0
+    for p, r in zip(params, ref):
+        _same(p.grad, r)
+    (args, kwargs), = launches.calls
+    assert args[0].data_ptr() % 16 == 0 and kwargs["ALIGNED"]
+    counts = _covered(args[0].data_ptr(), args[1], args[2], itemsize, block, 16 // itemsize)
+    first = (buffer.data_ptr() - args[0].data_ptr()) // itemsize
+    assert counts == {first + o + i: 1 for o, n in zip(offsets, sizes) for i in range(n)}
+
+
+def test_a_long_lists_size_is_remembered_by_its_layout_and_a_new_layout_looked_at(monkeypatch):
+    """The choice between torch's op and one launch costs the host O(1) for a long list, and a list
+    of another layout (a grown last gradient) is summed again."""
+    small = TritonKernel()
+    small.min_elements = 1000
+    launches = []
+    monkeypatch.setattr(_kernels, "_launch", lambda *a, **k: launches.append(a))
+    few = [torch.ones(5, device=DEVICE) for _ in range(100)]  # 500 elements: torch's op
+    found = torch.zeros((), device=DEVICE)
+    _unscale(small, few, found, torch.tensor(0.5, device=DEVICE))
+    assert launches == [] and all(bool((t == 0.5).all()) for t in few)
+    grown = few[:-1] + [torch.ones(2000, device=DEVICE)]
+    _unscale(small, grown, found, torch.tensor(0.5, device=DEVICE))
+    assert len(launches) == 1, "2495 elements: one Triton launch"
+
+
+def test_per_tensor_host_time_over_2000_small_tensors_no_worse_than_torchs_op(monkeypatch):
+    """The scaler's per-tensor op on 2000 small CPU tensors, as a GPU runs it (small groups go to
+    torch's op; no Triton launch), against torch's ``_amp_foreach_non_finite_check_and_unscale_``
+    called directly: the choice around it costs the host a constant, not a pass over the tensors
+    (it was one ``numel()`` per tensor: 1.22x torch's op on this test's CPU)."""
+    import time
+
+    from amp_backends_plugins.triton import MIN_ELEMENTS
+
+    ours = TritonKernel()
+    ours.min_elements = MIN_ELEMENTS
+    monkeypatch.setattr(_kernels, "_launch", lambda *a, **k: pytest.fail("2000 x 37 elements: torch's op"))
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.rand(37, generator=g) + 0.5 for _ in range(2000)]
+    inv, found, ref_found = torch.ones(()), torch.zeros(()), torch.zeros(())
+    group = TensorGroup(grads[0].device, grads[0].dtype, grads)
+
+    def mine():
+        ours.grad_op_(group, found, inv)
+
+    def theirs():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, ref_found, inv)
+
+    def timed(fn):
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    for _ in range(10):
+        mine(), theirs()
+    times = {mine: [], theirs: []}
+    for i in range(200):  # interleaved, each first in turn: drift on a shared machine hits both alike
+        for fn in ((mine, theirs) if i % 2 else (theirs, mine)):
+            times[fn].append(timed(fn))
+    ratio = min(times[mine]) / min(times[theirs])  # the quietest call of each: noise only ever adds
+    assert ratio <= 1.05, f"per-tensor op {ratio:.3f}x torch's own over 2000 small tensors"
+    assert found.item() == ref_found.item() == 0.0
+
+    calls = []
+    numel = torch.Tensor.numel
+    monkeypatch.setattr(torch.Tensor, "numel", lambda t: calls.append(1) or numel(t))
+    mine()
+    assert len(calls) <= 2, f"{len(calls)} numel() calls: the choice looks at every tensor"

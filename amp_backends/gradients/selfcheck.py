@@ -32,9 +32,9 @@ def kernel_self_check(kernel: Kernel, device: torch.device) -> str | None:
             kernel.min_elements = threshold  # type: ignore[attr-defined]
 
 
-#: The self-check's long gradients: two blocks of 4096 (the Triton kernel's on GPUs; 16 of 512
-#: interpreted) and an odd tail, so a kernel that looks at only the first block, or only the first
-#: 64 elements, misses the inf/NaN put at the end.
+#: The self-check's long gradients: longer than any block of the Triton kernel's (on GPUs 4096 fp32
+#: or 8192 16-bit elements, the same bytes; 512 and 1024 interpreted) with an odd tail, so a kernel
+#: that looks at only the first block, or only the first 64 elements, misses the inf/NaN put at the end.
 _LONG = 2 * 4096 + 3
 
 

@@ -1,8 +1,10 @@
 """The Triton kernels and their launch layout.
 
 Layout: for one (device, dtype) group, every dense gradient is cut into blocks of
-``BLOCK`` elements. A block table holds, per block, its start as an element offset from
-one base pointer (the first gradient) and its length. One launch runs one program per
+``TUNING[itemsize].block`` elements (the same bytes for every dtype). A block table holds, per
+block, its start as an element offset from one base pointer (the 16-byte boundary at or before
+the first gradient) and its length; a gradient that does not start on a 16-byte boundary gets a
+short head block up to one, so that its full blocks are vectorized. One launch runs one program per
 block, so the number of launches is fixed however many tensors there are. Offsets from a
 base pointer are plain pointer arithmetic (no pointer loaded from memory), which
 Triton's interpreter runs too, so CI tests the same kernels the GPU runs.
@@ -19,19 +21,42 @@ other permuted-dense layouts are handled in place.
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from amp_backends.gradients.groups import FlatGroup, TensorGroup
+from amp_backends.gradients.groups import FlatGroup
 from amp_backends.gradients.kernel import TORCH_KERNEL, add_sum_of_squares, through_float32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-#: Elements per program: big enough to stream on a GPU, small in the interpreter so tests span blocks.
-BLOCK = 512 if INTERPRET else 4096
-NUM_WARPS = 8
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """One dtype's launch shape: elements per program and warps per program."""
+
+    block: int
+    num_warps: int
+
+
+#: Launch shape per element size (bytes). Every dtype moves the same bytes per program (16 KiB read
+#: on a GPU): a 16-bit block is twice as many elements as an fp32 one, so a 16-bit program carries
+#: as many bytes in flight and pays its fixed cost (block-table read, found_inf reduction) over as
+#: many bytes. Small in the interpreter, so that tests span blocks. ``bench/unscale.py --sweep``
+#: times alternatives on a GPU; assign an entry to try one (tables are cached per block size).
+TUNING: dict[int, Tuning] = (
+    {4: Tuning(512, 8), 2: Tuning(1024, 8)} if INTERPRET else {4: Tuning(4096, 8), 2: Tuning(8192, 8)}
+)
+#: The fp32 block (elements); 16-bit dtypes use ``TUNING[2].block``.
+BLOCK = TUNING[4].block
+#: The default warps per program (every dtype).
+NUM_WARPS = TUNING[4].num_warps
+#: Bytes a vectorized access moves: a block whose first element sits on this boundary (counted from
+#: a base pointer on it) loads and stores 128 bits at a time.
+VEC_BYTES = 16
 #: NVIDIA: a register budget for ptxas (the ``.maxnreg`` of the PTX). Without one, ptxas behind
 #: Triton 3.8 (``--regAllocOptLevel=2``) caps the fp16 check+norm kernel at 32 registers and
 #: spills one to the stack; with it no variant spills (the AOT test compiles every one).
@@ -44,6 +69,9 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _TABLE_CACHE_SIZE = 16
+#: Lists up to this long are summed on every call to pick torch's op or Triton's (under 3 us).
+_SCAN_UP_TO = 64
+_TOTALS: dict[tuple[int, torch.dtype, int, int], int] = {}
 
 
 @triton.jit
@@ -61,31 +89,25 @@ def _block_op(
     MASKED: tl.constexpr,
 ):
     """Unscale/check/measure one block; ``MASKED`` False: every lane is in bounds (no mask, so
-    the compiler may move 16 bytes per access where the start is aligned)."""
-    if BF16:
-        if MASKED:
-            bits = tl.load(ptrs, mask=mask, other=0)
-        else:
-            bits = tl.load(ptrs)
-        x = ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    the compiler may move 16 bytes per access where the start is aligned).
+
+    The block's values are written back before the block-wide reductions (found_inf, the sum of
+    squares): a reduction across warps is a barrier, and values still to be stored after it would
+    stay in registers across it. Stored first, a thread keeps only its loaded bits and per-element
+    flags, so a 16-bit block holds as few registers per byte as an fp32 one and as many programs fit
+    on a multiprocessor."""
+    if MASKED:
+        raw = tl.load(ptrs, mask=mask, other=0)
     else:
-        if MASKED:
-            x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            x = tl.load(ptrs).to(tl.float32)
-    bad = (x != x) | (tl.abs(x) == float("inf"))
-    n_bad = tl.sum(bad.to(tl.int32), axis=0)
-    if n_bad > 0:  # a branch, not a masked scalar store: Triton 3.0's interpreter ignores that mask
-        tl.store(found_inf_ptr, 1.0)
+        raw = tl.load(ptrs)
+    if BF16:
+        x = ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = raw.to(tl.float32)
     if SCALE:
         y = x * tl.load(inv_scale_ptr)
     else:
         y = x
-    if NORM:
-        sq = y * y
-        if MASKED:  # masked lanes hold 0 * inv_scale: NaN when the scale has underflowed to 0
-            sq = tl.where(mask, sq, 0.0)
-        tl.store(partial_ptr + pid, tl.sum(sq, axis=0))
     if WRITE:
         if BF16:
             u = y.to(tl.uint32, bitcast=True)
@@ -100,6 +122,22 @@ def _block_op(
                 tl.store(ptrs, y.to(ptrs.dtype.element_ty), mask=mask)
             else:
                 tl.store(ptrs, y.to(ptrs.dtype.element_ty))
+    if NORM:
+        sq = y * y
+        if MASKED:  # masked lanes hold 0 * inv_scale: NaN when the scale has underflowed to 0
+            sq = tl.where(mask, sq, 0.0)
+        tl.store(partial_ptr + pid, tl.sum(sq, axis=0))
+    # inf or NaN: every exponent bit set (fp16, fp32: tested on the loaded bits, which a thread keeps
+    # in fewer registers than their fp32 widening)
+    if BF16:  # widened by a shift: a float compare holds the fewest registers
+        bad = (x != x) | (tl.abs(x) == float("inf"))
+    elif raw.dtype == tl.float16:
+        bad = (raw.to(tl.int16, bitcast=True) & 0x7C00) == 0x7C00
+    else:
+        bad = (raw.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    if n_bad > 0:  # a branch, not a masked scalar store: Triton 3.0's interpreter ignores that mask
+        tl.store(found_inf_ptr, 1.0)
 
 
 @triton.jit
@@ -149,31 +187,56 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _table(offsets: Sequence[int], numels: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block of ``BLOCK`` elements: its start (elements from the base) and its length.
+def tuning(itemsize: int) -> Tuning:
+    """The launch shape for elements of ``itemsize`` bytes."""
+    return TUNING[itemsize]
 
-    Each tensor is cut from its own start, so a tensor's blocks are the same wherever it lives:
-    the per-tensor path and the arena make the same blocks, partial sums and norms."""
+
+def _table(offsets: Sequence[int], numels: Sequence[int], device: torch.device, block: int,
+           vec: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of at most ``block`` elements: its start (elements from the base) and its length.
+
+    A tensor whose first element is off a ``vec``-element boundary of the base (a view into a
+    bucket, packed after a 37-element bias) gets a head block up to the boundary; the rest is cut
+    into blocks from there, so each of its full blocks starts on the boundary and is vectorized.
+    A tensor that starts on one (every allocation, every arena slot) is cut from its own start:
+    its blocks, partial sums and norm are the same wherever it lives."""
     offs = torch.tensor(offsets, dtype=torch.int64)
     sizes = torch.tensor(numels, dtype=torch.int64)
-    blocks = (sizes + BLOCK - 1) // BLOCK
-    owner = torch.repeat_interleave(torch.arange(len(offsets)), blocks)
-    first = torch.cumsum(blocks, 0) - blocks
-    within = torch.arange(int(blocks.sum())) - first[owner]
-    starts = offs[owner] + within * BLOCK
-    lengths = torch.clamp(sizes[owner] - within * BLOCK, max=BLOCK).to(torch.int32)
+    head = torch.minimum(torch.remainder(-offs, vec), sizes)
+    body = sizes - head
+    has_head = (head > 0).to(torch.int64)
+    count = has_head + (body + block - 1) // block
+    owner = torch.repeat_interleave(torch.arange(len(offsets)), count)
+    first = torch.cumsum(count, 0) - count
+    k = torch.arange(int(count.sum())) - first[owner] - has_head[owner]  # -1: the head block
+    in_head = k < 0
+    starts = torch.where(in_head, offs[owner], offs[owner] + head[owner] + k * block)
+    lengths = torch.where(in_head, head[owner], torch.clamp(body[owner] - k * block, max=block)).to(torch.int32)
     return starts.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
 
 
+def _aligned_base(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A view of ``t``'s storage starting at the 16-byte boundary at or before ``t``'s first element,
+    and how many elements before it that is; ``(t, 0)`` where ``t`` starts on one or its storage does
+    not reach back to one. Launched from it, a misaligned gradient's body takes the vectorized path:
+    only addresses of the gradients themselves are ever read or written."""
+    shift = (t.data_ptr() % VEC_BYTES) // t.element_size()
+    if shift == 0 or t.storage_offset() < shift:
+        return t, 0
+    return t.as_strided((1,), (1,), t.storage_offset() - shift), shift
+
+
 def _block_table(
-    ptrs: tuple[int, ...], numels: tuple[int, ...], itemsize: int, device: torch.device
+    ptrs: tuple[int, ...], numels: tuple[int, ...], itemsize: int, device: torch.device, block: int, shift: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device, itemsize, BLOCK, ptrs, numels)
+    key = (device, itemsize, block, shift, ptrs, numels)
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
         return hit
-    table = _TABLES[key] = _table([(p - ptrs[0]) // itemsize for p in ptrs], numels, device)
+    offsets = [(p - ptrs[0]) // itemsize + shift for p in ptrs]
+    table = _TABLES[key] = _table(offsets, numels, device, block, VEC_BYTES // itemsize)
     if len(_TABLES) > _TABLE_CACHE_SIZE:
         _TABLES.popitem(last=False)
     return table
@@ -192,6 +255,7 @@ def _launch(
     n_blocks = starts.numel()
     if n_blocks == 0:
         return
+    tune = TUNING[base.element_size()]
     bf16 = base.dtype == torch.bfloat16
     if bf16:
         base = base.view(torch.int16)  # bf16 moves as int16 bits: same address, same count
@@ -203,14 +267,14 @@ def _launch(
         inv_scale if inv_scale is not None else found_inf,
         found_inf,
         partial,
-        BLOCK=BLOCK,
-        VEC=16 // base.element_size(),
-        ALIGNED=base.data_ptr() % 16 == 0,
+        BLOCK=tune.block,
+        VEC=VEC_BYTES // base.element_size(),
+        ALIGNED=base.data_ptr() % VEC_BYTES == 0,
         BF16=bf16,
         SCALE=inv_scale is not None,
         WRITE=write,
         NORM=norm_sq is not None,
-        num_warps=NUM_WARPS,
+        num_warps=tune.num_warps,
         enable_fp_fusion=False,  # y * y + acc rounded twice on every target, as the interpreter does
         **(_NVIDIA_OPTIONS if base.device.type == "cuda" and not INTERPRET else {}),
     )
@@ -279,10 +343,29 @@ def _torch_ops(
         return
     if grads[0].dtype == torch.bfloat16:  # CUDA's op has no bf16
         through_float32(TORCH_KERNEL, grads, found_inf, inv_scale)
-    else:
-        TORCH_KERNEL.grad_op_(TensorGroup(grads[0].device, grads[0].dtype, grads), found_inf, inv_scale)
+    else:  # TORCH_KERNEL's op, called as it calls it (no group to build for a list of thousands)
+        if inv_scale is None:
+            inv_scale = torch.ones((), dtype=torch.float32, device=found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     if norm_sq is not None:
         add_sum_of_squares(grads, norm_sq)
+
+
+def _elements_below(grads: Sequence[torch.Tensor], limit: int) -> bool:
+    """Whether ``grads`` hold fewer than ``limit`` elements in all, at a cost that does not grow with
+    their count: a long list's total is remembered by its length and its first and last sizes (a
+    training loop hands over the same layout every step). A wrong guess costs only speed: both
+    paths give the same results."""
+    n = len(grads)
+    if n <= _SCAN_UP_TO:
+        return sum(map(torch.Tensor.numel, grads)) < limit
+    key = (n, grads[0].dtype, grads[0].numel(), grads[-1].numel())
+    total = _TOTALS.get(key)
+    if total is None:
+        total = _TOTALS[key] = sum(map(torch.Tensor.numel, grads))
+        if len(_TOTALS) > _TABLE_CACHE_SIZE:
+            _TOTALS.pop(next(iter(_TOTALS)))
+    return total < limit
 
 
 def run(
@@ -298,8 +381,8 @@ def run(
     Below ``min_elements`` elements in all, torch's op runs an unscale or check: there its one
     C++ call costs the host less than Triton's Python launcher, and the data is too small for
     bandwidth to matter. Never a norm: torch's per-tensor norms cost the host far more."""
-    if min_elements and norm_sq is None and sum(map(torch.Tensor.numel, grads)) < min_elements:
-        _torch_ops(list(grads), found_inf, inv_scale if write else None, norm_sq)
+    if min_elements and norm_sq is None and _elements_below(grads, min_elements):
+        _torch_ops(grads if isinstance(grads, list) else list(grads), found_inf, inv_scale if write else None, norm_sq)
         return
     dense, ptrs, numels, other, wrapped = _split(grads)
     _torch_ops(wrapped, found_inf, inv_scale if write else None, norm_sq)
@@ -310,8 +393,10 @@ def run(
     if dtype not in KERNEL_DTYPES:
         _fallback(dense, found_inf, inv_scale, write, norm_sq)
         return
-    table = _block_table(tuple(ptrs), tuple(numels), dense[0].element_size(), dense[0].device)
-    _launch(dense[0], table, found_inf, inv_scale, write, norm_sq)
+    itemsize = dense[0].element_size()
+    base, shift = _aligned_base(dense[0])
+    table = _block_table(tuple(ptrs), tuple(numels), itemsize, dense[0].device, TUNING[itemsize].block, shift)
+    _launch(base, table, found_inf, inv_scale, write, norm_sq)
 
 
 def run_flat(group: FlatGroup, found_inf: torch.Tensor, inv_scale: Optional[torch.Tensor],
@@ -325,8 +410,12 @@ def run_flat(group: FlatGroup, found_inf: torch.Tensor, inv_scale: Optional[torc
     if min_elements and norm_sq is None and group.buffer.numel() < min_elements:
         _torch_ops([group.buffer], found_inf, inv_scale, None)  # its gaps are zero: the arena keeps them so
         return
-    key = ("triton", BLOCK)
+    itemsize = group.buffer.element_size()
+    block = TUNING[itemsize].block
+    base, shift = _aligned_base(group.buffer)
+    key = ("triton", block, shift)
     table = group.cache.get(key)
     if table is None:
-        table = group.cache[key] = _table(group.offsets, group.numels, group.device)
-    _launch(group.buffer, table, found_inf, inv_scale, inv_scale is not None, norm_sq)
+        offsets = [o + shift for o in group.offsets]
+        table = group.cache[key] = _table(offsets, group.numels, group.device, block, VEC_BYTES // itemsize)
+    _launch(base, table, found_inf, inv_scale, inv_scale is not None, norm_sq)

@@ -2,9 +2,10 @@
 
     TRITON_INTERPRET=0 python -m amp_backends_plugins.triton.aot            # a table
     TRITON_INTERPRET=0 python -m amp_backends_plugins.triton.aot --json out.json
+    TRITON_INTERPRET=0 python -m amp_backends_plugins.triton.aot --sweep --targets sm_90   # launch shapes
 
 For each target (sm_80, sm_90 and gfx942 by default) and each specialisation that ``run()`` and
-``run_flat()`` launch (fp32, fp16 and bf16-as-int16 gradients; unscale, check, unscale+norm,
+``run_flat()`` launch, with each dtype's block size and warps (fp32, fp16 and bf16-as-int16 gradients; unscale, check, unscale+norm,
 check+norm; base pointer 16-byte aligned or not), it reports the widest global load and store
 in the assembly (PTX ``ld.global.v4``, SASS ``LDG.E.128``, AMD ``*_load_dwordx4``; the block
 table's 64-bit offsets count too), the registers and the spills (local memory and stack in
@@ -46,11 +47,15 @@ class Variant:
     dtype: str
     op: str
     aligned: bool
+    block: int = 0
+    num_warps: int = 0
     load_bits: int = 0
     store_bits: int = 0
     sass_load_bits: int | None = None
     registers: int | None = None
     spills: int | None = None
+    #: NVIDIA: programs resident per SM that the registers allow
+    ctas_per_sm: int | None = None
     error: str | None = None
 
 
@@ -131,35 +136,72 @@ def _inspect_amd(v: Variant, compiled: Any) -> None:
     v.spills = sum(spills) + sum(scratch)
 
 
-def compile_all(targets: list[str], block: int = 4096) -> list[Variant]:
-    """Compile every specialisation for ``targets``; a failure is recorded on its variant."""
-    import triton
+def _compile(triton: Any, target: str, dtype: str, op: str, aligned: bool, block: int, num_warps: int) -> Variant:
+    """One specialisation, inspected; a failure is recorded on it."""
     from triton.backends.compiler import GPUTarget
+
+    from . import _kernels
+
+    backend, arch, warp = TARGETS[target]
+    ptr, size = POINTERS[dtype]
+    scale, write, norm = OPS[op]
+    v = Variant(target, dtype, op, aligned, block=block, num_warps=num_warps)
+    try:
+        src = _source(triton, _kernels._grad_kernel, ptr, 16 // size, aligned, scale, write, norm, block)
+        options = {"num_warps": num_warps, "enable_fp_fusion": False}
+        if backend == "cuda":  # as the launch passes them on NVIDIA
+            options["maxnreg"] = _kernels.MAXNREG
+        compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
+        if backend == "cuda":
+            _inspect_nvidia(v, compiled)
+            v.ctas_per_sm = _ctas_per_sm(v.registers, num_warps)
+        else:
+            _inspect_amd(v, compiled)
+    except Exception as exc:  # noqa: BLE001 - recorded, reported, and failed on by the caller
+        v.error = f"{type(exc).__name__}: {str(exc)[:400]}"
+    return v
+
+
+def _ctas_per_sm(registers: int | None, num_warps: int) -> int | None:
+    """Programs resident per SM on sm_80/sm_90 (64K registers, 64 warps, 32 blocks; registers
+    allocated per warp in units of 256): the register file, not shared memory, limits these kernels."""
+    if not registers:
+        return None
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // per_warp // num_warps, 64 // num_warps, 32)
+
+
+def compile_all(targets: list[str], tunings: dict[int, tuple[int, int]] | None = None) -> list[Variant]:
+    """Compile every specialisation for ``targets`` with each dtype's launch shape (``tunings``:
+    element size to (block, num_warps); the launches' own by default)."""
+    import triton
 
     from . import _kernels
 
     if _kernels.INTERPRET:
         raise RuntimeError("TRITON_INTERPRET is set: compiling needs the real compiler (run with TRITON_INTERPRET=0)")
+    shapes = tunings or {size: (t.block, t.num_warps) for size, t in _kernels.TUNING.items()}
     out = []
     for name in targets:
-        backend, arch, warp = TARGETS[name]
-        for dtype, (ptr, size) in POINTERS.items():
-            for op, (scale, write, norm) in OPS.items():
+        for dtype, (_, size) in POINTERS.items():
+            block, warps = shapes[size]
+            for op in OPS:
                 for aligned in (True, False):
-                    v = Variant(name, dtype, op, aligned)
-                    try:
-                        src = _source(triton, _kernels._grad_kernel, ptr, 16 // size, aligned, scale, write, norm, block)
-                        options = {"num_warps": _kernels.NUM_WARPS, "enable_fp_fusion": False}
-                        if backend == "cuda":  # as the launch passes them on NVIDIA
-                            options["maxnreg"] = _kernels.MAXNREG
-                        compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
-                        if backend == "cuda":
-                            _inspect_nvidia(v, compiled)
-                        else:
-                            _inspect_amd(v, compiled)
-                    except Exception as exc:  # noqa: BLE001 - recorded, reported, and failed on by the caller
-                        v.error = f"{type(exc).__name__}: {str(exc)[:400]}"
-                    out.append(v)
+                    out.append(_compile(triton, name, dtype, op, aligned, block, warps))
+    return out
+
+
+def sweep(target: str, block_bytes: list[int], warps: list[int], op: str = "unscale") -> list[Variant]:
+    """The aligned ``op`` for every dtype, block size (bytes per program) and warp count: what each
+    shape costs in registers, so programs per SM and bytes in flight (a model) can be compared
+    before a GPU times them (``bench/unscale.py --sweep``)."""
+    import triton
+
+    out = []
+    for dtype, (_, size) in POINTERS.items():
+        for nbytes in block_bytes:
+            for w in warps:
+                out.append(_compile(triton, target, dtype, op, True, nbytes // size, w))
     return out
 
 
@@ -174,12 +216,20 @@ def _stand_in_linker(directory: str) -> str:
     return str(path)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m amp_backends_plugins.triton.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: " + ", ".join(TARGETS))
     parser.add_argument("--json", help="write every variant here")
     parser.add_argument("--stand-in-linker", action="store_true",
                         help="Triton 3.0 without ROCm's ld.lld: finish AMD compiles at the assembly")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead: the aligned unscale per dtype at each --block-bytes and --warps, on the first target")
+    parser.add_argument("--block-bytes", type=_ints, default=[8192, 16384, 32768], help="with --sweep (comma-separated)")
+    parser.add_argument("--warps", type=_ints, default=[4, 8, 16], help="with --sweep (comma-separated)")
     args = parser.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = [t for t in targets if t not in TARGETS]
@@ -190,15 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.stand_in_linker and not (shutil.which("ld.lld") or os.environ.get("TRITON_HIP_LLD_PATH")):
             os.environ["TRITON_HIP_LLD_PATH"] = _stand_in_linker(tmp)
-        variants = compile_all(targets)
+        variants = sweep(targets[0], args.block_bytes, args.warps) if args.sweep else compile_all(targets)
     print(f"triton {triton.__version__}: {len(variants)} specialisations")
-    print(f"{'target':7} {'dtype':9} {'op':13} {'aligned':7} {'load':>5} {'store':>5} {'sass':>5} {'regs':>5} {'spills':>6}")
+    print(f"{'target':7} {'dtype':9} {'op':13} {'aligned':7} {'block':>6} {'warps':>5} {'load':>5} {'store':>5} "
+          f"{'sass':>5} {'regs':>5} {'spills':>6} {'CTA/SM':>6} {'KiB/SM':>6}")
     for v in variants:
         if v.error:
             print(f"{v.target:7} {v.dtype:9} {v.op:13} {str(v.aligned):7} ERROR {v.error}")
             continue
-        print(f"{v.target:7} {v.dtype:9} {v.op:13} {str(v.aligned):7} {v.load_bits:>5} {v.store_bits or '-':>5} "
-              f"{v.sass_load_bits if v.sass_load_bits is not None else '-':>5} {v.registers or '-':>5} {v.spills:>6}")
+        in_flight = v.ctas_per_sm * v.block * POINTERS[v.dtype][1] // 1024 if v.ctas_per_sm else "-"
+        print(f"{v.target:7} {v.dtype:9} {v.op:13} {str(v.aligned):7} {v.block:>6} {v.num_warps:>5} {v.load_bits:>5} "
+              f"{v.store_bits or '-':>5} {v.sass_load_bits if v.sass_load_bits is not None else '-':>5} "
+              f"{v.registers or '-':>5} {v.spills:>6} {v.ctas_per_sm or '-':>6} {in_flight:>6}")
     if args.json:
         Path(args.json).write_text(json.dumps({"triton": triton.__version__,
                                                "variants": [asdict(v) for v in variants]}, indent=1))
