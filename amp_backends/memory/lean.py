@@ -8,7 +8,7 @@ Each lever is on its own switch and usable alone:
 - ``saves`` (default on): norms and softmax that autocast runs in float32 keep a low-precision input
   for backward (exact; :mod:`.saves`);
 - ``lm_head``: the LM head's logits are never made whole; cross-entropy over them runs a block of rows
-  at a time (:mod:`.chunked_loss`);
+  at a time, each block's gradients made in the forward (:mod:`.chunked_loss`, :mod:`.fused_loss`);
 - ``weights``: the parameters the optimizer trains in bfloat16/float16, with float32 masters it
   updates (:mod:`.master`); or, with ``master=False``, no masters, for an optimizer that rounds its
   bfloat16 updates stochastically (torchao's, ``bf16_stochastic_round=True``), whose moments follow
@@ -38,7 +38,7 @@ from ..precision.fp8.engine import is_fp8
 from ..precision.policy import fp32_modules
 from ..precision.selectors import NORM_TYPES
 from ..registry.registry import resolve_backend
-from .chunked_loss import lazy_head, undo_lazy_head
+from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
 from .master import LOW_PRECISION, MasterWeights
 from .saves import LowPrecisionSaves, low_precision_saves
 
@@ -138,7 +138,7 @@ class Lean:
         parts = [f"weights {str(self.weights).replace('torch.', '')} with float32 masters" if self.masters else "",
                  f"weights {str(self.weights).replace('torch.', '')} without masters"
                  if self._lowered and not self.masters else "",
-                 "lm head chunked" if self._head is not None else "",
+                 "lm head fused" if self._head is not None else "",
                  f"low-precision saves on {len(self._saves.modules)} modules" if self._saves else ""]
         return f"<Lean {'; '.join(p for p in parts if p) or 'off'}>"
 
@@ -218,6 +218,9 @@ def _check(model: Any, optimizer: Any, weights: Any, master: bool, lm_head: Any,
             raise LeanError(f"memory_lean(lm_head=...): the head must be an nn.Linear, got {type(head).__name__}")
         if not any(m is head for m in model.modules()):
             raise LeanError("memory_lean(lm_head=...): that module is not in this model; pass its name, e.g. 'lm_head'")
+        reason = head_lever_refusal(model, head)
+        if reason is not None:
+            raise LeanError(reason)
     return weights, head
 
 
