@@ -3,7 +3,7 @@
 Owns the ledger of a training step (:mod:`.ledger`), counted without arithmetic on fake tensors
 (:mod:`.fake`), and memory-lean mixed precision (:mod:`.lean`): low-precision saves for float32 ops
 (:mod:`.saves`), the LM head and loss in blocks of rows (:mod:`.chunked_loss`), low-precision weights
-with float32 masters (:mod:`.master`).
+with float32 masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (:mod:`.recompute`).
 
 May import: :mod:`amp_backends.precision`, :mod:`amp_backends.distributed`, :mod:`amp_backends.backend`,
 :mod:`amp_backends.registry`, :mod:`amp_backends.scaler`, :mod:`amp_backends.tracing`,
@@ -16,7 +16,9 @@ from .chunked_loss import LazyLogits, lazy_head, linear_cross_entropy
 from .lean import Lean, LeanError, memory_lean
 from .ledger import PARTS, Ledger, MemoryReport
 from .master import MasterWeights
+from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import low_precision_saves
 
-__all__ = ["PARTS", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights", "MemoryReport", "lazy_head",
-           "linear_cross_entropy", "low_precision_saves", "memory_lean"]
+__all__ = ["PARTS", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights", "MemoryReport", "Recompute",
+           "RecomputeError", "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean",
+           "selective_recompute"]
