@@ -197,3 +197,25 @@ def test_a_torch_without_selective_checkpoint_is_refused(monkeypatch: pytest.Mon
     with pytest.raises(RecomputeError, match=r"torch >= 2.4"):
         selective_recompute(model)
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_composes_with_the_lean_mode_bitwise() -> None:
+    """bf16 weights with float32 masters, low-precision saves and the head in blocks, with and without
+    recomputation: the same gradients and the same parameters after the master step."""
+    import amp_backends
+    from amp_backends.memory import memory_lean
+
+    runs = []
+    for lever in (False, True):
+        model = _gpt2().train()
+        lean = memory_lean(model, torch.optim.AdamW(model.parameters()), backend=amp_backends.get("cpu"),
+                           weights=torch.bfloat16, lm_head="lm_head")
+        handle = selective_recompute(model) if lever else None
+        step = _step("gpt2", model, amp=True)
+        lean.optimizer.step()
+        runs.append((step, [p.detach().clone() for p in model.parameters()]))
+        if handle is not None:
+            handle.remove()
+        lean.remove()
+    _bitwise(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

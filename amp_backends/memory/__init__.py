@@ -3,7 +3,9 @@
 Owns the ledger of a training step (:mod:`.ledger`), counted without arithmetic on fake tensors
 (:mod:`.fake`), and memory-lean mixed precision (:mod:`.lean`): low-precision saves for float32 ops
 (:mod:`.saves`), the LM head and loss in blocks of rows (:mod:`.chunked_loss`), low-precision weights
-with float32 masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (:mod:`.recompute`).
+with float32 masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward
+(:mod:`.recompute`), torchao's per-parameter compiled step with its compile wrapper built once
+(:mod:`.compile_once`).
 
 May import: :mod:`amp_backends.precision`, :mod:`amp_backends.distributed`, :mod:`amp_backends.backend`,
 :mod:`amp_backends.registry`, :mod:`amp_backends.scaler`, :mod:`amp_backends.tracing`,
@@ -13,6 +15,7 @@ May import: :mod:`amp_backends.precision`, :mod:`amp_backends.distributed`, :mod
 from __future__ import annotations
 
 from .chunked_loss import LazyLogits, lazy_head, linear_cross_entropy
+from .compile_once import compile_once
 from .lean import Lean, LeanError, memory_lean
 from .ledger import PARTS, Ledger, MemoryReport
 from .master import MasterWeights
@@ -20,5 +23,5 @@ from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import low_precision_saves
 
 __all__ = ["PARTS", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights", "MemoryReport", "Recompute",
-           "RecomputeError", "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean",
-           "selective_recompute"]
+           "RecomputeError", "compile_once", "lazy_head", "linear_cross_entropy", "low_precision_saves",
+           "memory_lean", "selective_recompute"]
