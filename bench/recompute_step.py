@@ -92,9 +92,10 @@ def measure(be: amp_backends.Backend, name: str, smoke: bool, attn: str, steps: 
     plain, lean = statistics.median(times[False]), statistics.median(times[True])
     row: dict[str, Any] = {"model": name, "attn": attn, "plain_ms": plain * 1e3, "recompute_ms": lean * 1e3,
                            "ratio": lean / plain}
-    if peaks[False] is not None:
-        row.update(plain_peak_mib=peaks[False] / 2**20, recompute_peak_mib=peaks[True] / 2**20,  # type: ignore[operator]
-                   saving=1 - peaks[True] / peaks[False])  # type: ignore[operator]
+    plain_peak, lean_peak = peaks[False], peaks[True]
+    if plain_peak is not None and lean_peak is not None:
+        row.update(plain_peak_mib=plain_peak / 2**20, recompute_peak_mib=lean_peak / 2**20,
+                   saving=1 - lean_peak / plain_peak)
     return row
 
 
