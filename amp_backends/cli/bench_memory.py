@@ -27,6 +27,7 @@ import torch
 from ..backend import Backend, get
 from ..console import render_table
 from ..errors import PerformanceWarning
+from ..memory.compile_once import compile_once
 from ..memory.fake import Setup, measure, on_meta_then_fake
 from ..memory.lean import memory_lean
 from ..memory.ledger import PARTS, Ledger
@@ -87,7 +88,8 @@ def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *
         if mode == "lean-bf16-sr":
             from torchao.optim import _AdamW
 
-            opt: Any = _AdamW(model.parameters(), lr=lr, bf16_stochastic_round=True)
+            # built once, its compile wrapper: torchao makes one per parameter per step otherwise (docs/memory.md)
+            opt: Any = compile_once(_AdamW(model.parameters(), lr=lr, bf16_stochastic_round=True))
             opt = memory_lean(model, opt, backend=be, weights=torch.bfloat16, master=False,
                               lm_head=LEAN_HEADS.get(name)).optimizer
         else:

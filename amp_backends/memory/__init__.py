@@ -4,7 +4,8 @@ Owns the ledger of a training step (:mod:`.ledger`), counted without arithmetic 
 (:mod:`.fake`), and memory-lean mixed precision (:mod:`.lean`): low-precision saves for float32 ops
 (:mod:`.saves`), the LM head's lazy logits (:mod:`.chunked_loss`) and its loss fused a block of rows at
 a time with the gradients made in the forward (:mod:`.fused_loss`), low-precision weights with float32
-masters (:mod:`.master`).
+masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (:mod:`.recompute`),
+torchao's per-parameter compiled step with its compile wrapper built once (:mod:`.compile_once`).
 
 May import: :mod:`amp_backends.precision`, :mod:`amp_backends.distributed`, :mod:`amp_backends.backend`,
 :mod:`amp_backends.registry`, :mod:`amp_backends.scaler`, :mod:`amp_backends.tracing`,
@@ -14,11 +15,14 @@ May import: :mod:`amp_backends.precision`, :mod:`amp_backends.distributed`, :mod
 from __future__ import annotations
 
 from .chunked_loss import LazyHeadError, LazyLogits, head_lever_refusal, lazy_head
+from .compile_once import compile_once
 from .fused_loss import linear_cross_entropy
 from .lean import Lean, LeanError, memory_lean
 from .ledger import PARTS, Ledger, MemoryReport
 from .master import MasterWeights
+from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import low_precision_saves
 
 __all__ = ["PARTS", "LazyHeadError", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights", "MemoryReport",
-           "head_lever_refusal", "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean"]
+           "Recompute", "RecomputeError", "compile_once", "head_lever_refusal", "lazy_head", "linear_cross_entropy",
+           "low_precision_saves", "memory_lean", "selective_recompute"]

@@ -1,0 +1,232 @@
+"""Selective recomputation of a transformer's blocks: the matmuls', attention's and norms' outputs kept
+for backward, the cheap ops between them run again in backward instead of keeping what they save.
+
+    handle = amp_backends.memory.selective_recompute(model)   # blocks found: GPT2Block, BertLayer, ...
+    ...                                                       # train as before
+    handle.remove()
+
+What AMP alone still keeps on the transformers users train, beside the norms :mod:`.saves` handles:
+dropout's masks and its masked outputs, the decomposed GELU's intermediates (transformers'
+``NewGELUActivation``: ``pow``, ``mul``, ``add``, ``tanh``, each saved), and, where attention is not
+fused (the eager path), the attention probabilities, before and after dropout. Each block's forward
+runs under torch's selective activation checkpoint (``torch.utils.checkpoint.checkpoint`` with
+``context_fn=partial(create_selective_checkpoint_contexts, policy)``, torch >= 2.4, non-reentrant):
+the outputs of the ops in ``save`` (:data:`SAVE`: matmuls, convolutions, fused attention, norms) are
+kept; every other op of the block is run again in backward from those and the block's input.
+
+Exact: the recomputation runs the same ops on the same inputs, and torch's checkpoint restores the
+CPU's and the inputs' device's random state before it (``preserve_rng_state``), so dropout draws the
+same mask; the loss and every gradient are bitwise the plain model's (``tests/test_lean_recompute.py``).
+What it costs is the forward of the recomputed ops once more in backward, and the checkpoint's own
+work per block (docs/memory.md states both as measured).
+
+The block's ``forward`` is wrapped, not its ``__call__``: module hooks stay outside the checkpoint and
+run once. Like transformers' own gradient checkpointing, a block called with a key-value cache while
+recomputing gets ``use_cache=False`` and no cache (the recomputation would write it twice).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import AmpBackendsError
+
+__all__ = ["SAVE", "Recompute", "RecomputeError", "find_blocks", "selective_recompute", "unavailable_reason"]
+
+_ATEN = torch.ops.aten
+
+#: The ops whose outputs are kept for backward (aten names; those this torch lacks are skipped):
+#: matmuls, convolution, fused attention, and norms. Every other op of a block is recomputed.
+SAVE_NAMES: tuple[str, ...] = (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "_convolution",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+    "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "_fused_rms_norm",
+)
+SAVE: frozenset[Any] = frozenset(getattr(_ATEN, n) for n in SAVE_NAMES if hasattr(_ATEN, n))
+
+#: keyword arguments through which transformers' blocks take a key-value cache
+_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache")
+
+
+class RecomputeError(AmpBackendsError, ValueError):
+    """Selective recomputation cannot be set up as asked (nothing was changed)."""
+
+
+def unavailable_reason() -> str | None:
+    """None where this torch has the selective checkpoint API, else why not and what to install."""
+    import torch.utils.checkpoint as ckpt
+
+    if not all(hasattr(ckpt, n) for n in ("create_selective_checkpoint_contexts", "CheckpointPolicy")):
+        return (f"selective recomputation needs torch's selective activation checkpoint "
+                f"(torch.utils.checkpoint.create_selective_checkpoint_contexts, torch >= 2.4); this is torch "
+                f"{torch.__version__}: pip install 'torch>=2.4'")
+    return None
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """A model's transformer blocks: the children of every ``nn.ModuleList`` holding two or more modules
+    of one class (GPT-2's ``transformer.h``, BERT's ``encoder.layer``, ``nn.TransformerEncoder.layers``),
+    outermost lists only (a block's own lists are part of the block)."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(m) for m in module}) != 1:
+            continue
+        for block in module:
+            found.append(block)
+            inside.update(id(m) for m in block.modules())
+    return found
+
+
+def _packets(save: Iterable[Any]) -> frozenset[Any]:
+    """The ops of ``save`` as both overload packets and overloads (a policy sees overloads)."""
+    out: set[Any] = set()
+    for op in save:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            out.add(op)
+        elif isinstance(op, torch._ops.OpOverload):
+            out.add(op)
+        else:
+            raise RecomputeError(f"save= takes torch ops (e.g. torch.ops.aten.mm), got {op!r}")
+    return frozenset(out)
+
+
+def _policy(save: frozenset[Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if op in save or getattr(op, "overloadpacket", None) in save:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _without_cache(signature: inspect.Signature, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call with no key-value cache and ``use_cache=False``, however they were passed."""
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError:
+        return args, kwargs  # let the forward itself say what is wrong with the call
+    changed = False
+    for name in (*_CACHE_KWARGS, "use_cache"):
+        if bound.arguments.get(name):
+            bound.arguments[name] = False if name == "use_cache" else None
+            changed = True
+    return (bound.args, bound.kwargs) if changed else (args, kwargs)
+
+
+class Recompute:
+    """Selective recomputation on some blocks (:func:`selective_recompute`); :meth:`remove` undoes it."""
+
+    def __init__(self, blocks: Sequence[nn.Module], save: frozenset[Any]) -> None:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        #: the blocks whose forward is recomputed selectively
+        self.blocks: tuple[nn.Module, ...] = tuple(blocks)
+        #: the ops whose outputs are kept
+        self.save = save
+        self._context = functools.partial(create_selective_checkpoint_contexts, _policy(save))
+        self._had: list[Any] = []
+        for block in self.blocks:
+            self._had.append(block.__dict__.get("forward"))
+            block.forward = self._wrap(block.forward)
+            _ON[block] = self
+
+    def _wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        from torch.utils.checkpoint import checkpoint
+
+        context = self._context
+        try:
+            signature: inspect.Signature | None = inspect.signature(forward)
+        except (TypeError, ValueError):
+            signature = None
+        cache_named = signature is not None and any(n in signature.parameters for n in (*_CACHE_KWARGS, "use_cache"))
+
+        @functools.wraps(forward)
+        def recomputed(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            if cache_named:
+                args, kwargs = _without_cache(signature, args, kwargs)  # type: ignore[arg-type]
+            return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+        return recomputed
+
+    def remove(self) -> None:
+        """Each block's forward as it was (idempotent)."""
+        for block, had in zip(self.blocks, self._had):
+            if _ON.get(block) is not self:
+                continue
+            if had is None:
+                del block.forward
+            else:
+                block.forward = had
+            del _ON[block]
+
+    def __repr__(self) -> str:
+        kinds = sorted({type(b).__name__ for b in self.blocks})
+        return f"Recompute({len(self.blocks)} blocks: {', '.join(kinds)})"
+
+
+#: block -> the Recompute wrapping it (twice on one block is refused)
+_ON: weakref.WeakKeyDictionary[nn.Module, Recompute] = weakref.WeakKeyDictionary()
+
+
+def selective_recompute(model: nn.Module, *, save: Iterable[Any] = SAVE,
+                        blocks: Sequence[nn.Module] | None = None) -> Recompute:
+    """Run each block of ``model`` under torch's selective activation checkpoint: the outputs of the ops
+    in ``save`` (default :data:`SAVE`: matmuls, attention, norms) kept for backward, every other op of
+    the block (dropout, activations, softmax, casts, elementwise) recomputed in backward. ``blocks``:
+    the modules to wrap, default :func:`find_blocks`'s. Loss and gradients are bitwise unchanged.
+    Returns a handle whose ``remove()`` undoes it."""
+    why = unavailable_reason()
+    if why is not None:
+        raise RecomputeError(why)
+    ops = _packets(save)
+    if not ops:
+        raise RecomputeError("save= is empty: every op would be recomputed, the matmuls too; pass the ops "
+                             "to keep (default amp_backends.memory.recompute.SAVE)")
+    if blocks is None:
+        chosen = find_blocks(model)
+        if not chosen:
+            raise RecomputeError(
+                f"no transformer blocks found in {type(model).__name__} (no nn.ModuleList of two or more "
+                f"modules of one class): pass blocks=[...] (e.g. blocks=list(model.transformer.h))")
+    else:
+        chosen = list(blocks)
+        if not chosen:
+            raise RecomputeError("blocks= is empty: pass the modules to recompute, or leave it out to find them")
+    inside = {id(m) for m in model.modules()}
+    for block in chosen:
+        if not isinstance(block, nn.Module):
+            raise RecomputeError(f"blocks= takes modules of the model, got {type(block).__name__}")
+        if id(block) not in inside:
+            raise RecomputeError(f"{type(block).__name__} given in blocks= is not a module of this model")
+        if block in _ON:
+            raise RecomputeError(f"{type(block).__name__} is already recomputed selectively: call .remove() "
+                                 f"on the handle first")
+        if getattr(block, "gradient_checkpointing", False):
+            raise RecomputeError(
+                f"{type(block).__name__} is checkpointed whole already (transformers' gradient checkpointing): "
+                f"turn that off (model.gradient_checkpointing_disable(), activation_checkpointing_disable() in newer "
+                f"transformers) or leave this lever off")
+    if len({id(b) for b in chosen}) != len(chosen):
+        raise RecomputeError("blocks= names a module twice")
+    nested = {id(m) for b in chosen for m in b.modules() if m is not b}
+    if any(id(b) in nested for b in chosen):
+        raise RecomputeError("blocks= names a module and one inside it: give the outer blocks only")
+    return Recompute(chosen, ops)
