@@ -217,5 +217,25 @@ def test_composes_with_the_lean_mode_bitwise() -> None:
         if handle is not None:
             handle.remove()
         lean.remove()
+    model = _gpt2().train()  # the same through memory_lean's own switch
+    lean = memory_lean(model, torch.optim.AdamW(model.parameters()), backend=amp_backends.get("cpu"),
+                       weights=torch.bfloat16, lm_head="lm_head", recompute=True)
+    assert "blocks recompute" in repr(lean)
+    step = _step("gpt2", model, amp=True)
+    lean.optimizer.step()
+    _bitwise(runs[0][0], step)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], model.parameters()))
+    lean.remove()
+    assert all("forward" not in block.__dict__ for block in model.transformer.h), "remove() unwraps the blocks"
     _bitwise(runs[0][0], runs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_memory_lean_refuses_recompute_without_blocks_with_nothing_changed() -> None:
+    from amp_backends.memory import LeanError, memory_lean
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with pytest.raises(LeanError, match="recompute"):
+        memory_lean(model, torch.optim.AdamW(model.parameters()), backend="cpu", weights=torch.bfloat16, recompute=True)
+    assert model[0].weight.dtype == torch.float32 and "forward" not in model[1].__dict__
+    memory_lean(model, torch.optim.AdamW(model.parameters()), backend="cpu", weights=torch.bfloat16).remove()

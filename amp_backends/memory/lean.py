@@ -5,6 +5,8 @@
 
 Each lever is on its own switch and usable alone:
 
+- ``recompute``: the model's transformer blocks recompute their cheap elementwise ops (dropout,
+  activations, softmax) in backward instead of saving their outputs (:mod:`.recompute`);
 - ``saves`` (default on): norms and softmax that autocast runs in float32 keep a low-precision input
   for backward (exact; :mod:`.saves`);
 - ``lm_head``: the LM head's logits are never made whole; cross-entropy over them runs a block of rows
@@ -39,7 +41,9 @@ from ..precision.policy import fp32_modules
 from ..precision.selectors import NORM_TYPES
 from ..registry.registry import resolve_backend
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
+from .compile_once import compile_once, uses_compile_per_call
 from .master import LOW_PRECISION, MasterWeights
+from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import LowPrecisionSaves, low_precision_saves
 
 __all__ = ["Lean", "LeanError", "memory_lean"]
@@ -64,11 +68,12 @@ class Lean:
     """What :func:`memory_lean` turned on; :meth:`remove` turns it off."""
 
     def __init__(self, model: nn.Module, optimizer: Any, lowered: list[nn.Parameter], kept: dict[str, str],
-                 saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None) -> None:
+                 saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None,
+                 recompute: Recompute | None = None) -> None:
         self.model, self.optimizer, self.weights = model, optimizer, weights
         #: parameter name -> why it stayed float32 (of those the optimizer trains)
         self.kept = kept
-        self._lowered, self._saves, self._head = lowered, saves, head
+        self._lowered, self._saves, self._head, self._recompute = lowered, saves, head, recompute
 
     @property
     def masters(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -114,6 +119,9 @@ class Lean:
             self._saves.remove()
         if self._head is not None:
             undo_lazy_head(self._head)
+        if self._recompute is not None:
+            self._recompute.remove()
+            self._recompute = None
         optimizer = self.optimizer
         if isinstance(optimizer, MasterWeights):
             optimizer.sync()
@@ -139,6 +147,7 @@ class Lean:
                  f"weights {str(self.weights).replace('torch.', '')} without masters"
                  if self._lowered and not self.masters else "",
                  "lm head fused" if self._head is not None else "",
+                 f"{len(self._recompute.blocks)} blocks recompute cheap ops" if self._recompute is not None else "",
                  f"low-precision saves on {len(self._saves.modules)} modules" if self._saves else ""]
         return f"<Lean {'; '.join(p for p in parts if p) or 'off'}>"
 
@@ -235,10 +244,18 @@ def _submodule(model: nn.Module, name: str) -> nn.Module:
 
 def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, backend: Any = None,
                 weights: torch.dtype | str | None = None, master: bool = True, lm_head: str | nn.Module | None = None,
-                saves: bool = True) -> Lean:
+                saves: bool = True, recompute: bool | list[nn.Module] = False) -> Lean:
     """Turn on the memory levers of mixed precision for ``model`` (see the module docstring); returns
-    the handle whose ``optimizer`` the training loop uses. Everything is checked before anything changes."""
+    the handle whose ``optimizer`` the training loop uses. Everything is checked before anything changes.
+    ``recompute``: True (the model's repeated blocks, found) or the blocks: their cheap elementwise ops
+    (dropout, activations, softmax) recomputed in backward (:mod:`.recompute`)."""
     weights, head = _check(model, optimizer, weights, master, lm_head, backend)
+    again = None
+    if recompute is not False:
+        try:  # first of the changes: it refuses what it cannot wrap, before anything else changed
+            again = selective_recompute(model, blocks=None if recompute is True else recompute)
+        except RecomputeError as exc:
+            raise LeanError(f"memory_lean(recompute=...): {exc}") from None
     lowered: list[nn.Parameter] = []
     kept: dict[str, str] = {}
     masters: dict[nn.Parameter, torch.Tensor] = {}
@@ -263,9 +280,11 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         if master:
             optimizer = MasterWeights(optimizer, masters)
             optimizer.watch_loads(model)
+        elif uses_compile_per_call(optimizer):  # torchao's per-parameter compiled update: its wrapper built once
+            compile_once(optimizer)
     low = low_precision_saves(model) if saves else None
     if head is not None:
         lazy_head(head)
-    lean = Lean(model, optimizer, lowered, kept, low, head, weights)
+    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again)
     _ON[model] = lean
     return lean
