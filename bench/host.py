@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="200,2000,10000", help="comma-separated parameter counts")
     parser.add_argument("--numel", default="mixed",
-                        help="elements per parameter, comma-separated (e.g. 4,1), or 'mixed' (16, 64, 9, 128, 3, 37)")
+                        help="elements per parameter, comma-separated (e.g. 4,1); 'mixed': 16, 64, 9, 128, 3, 37 in turn")
     parser.add_argument("--ops", default="unscale_,clip_grad_norm_", help="which to time, comma-separated")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     counts = [int(x) for x in args.params.split(",")]
     kernel = amp_backends.get(device.type).kernel.name
-    numels: list[int | None] = [None] if args.numel == "mixed" else [int(x) for x in args.numel.split(",")]
+    numels: list[int | None] = [None if x == "mixed" else int(x) for x in args.numel.split(",")]
     rows = []
     for numel in numels:
         for n in counts:
