@@ -3,6 +3,7 @@
     python bench/host.py                       # 200, 2000 and 10000 parameters
     python bench/host.py --params 2000 --json out.json
     python bench/host.py --params 500,2000,8000 --numel 4,1   # parameters of 4 elements, then of 1
+    python bench/host.py --params 500,2000,8000 --numel 4,1 --alone   # the arena's unscale_ and check alone
 
 For each size, four optimizers over identical parameters (small gradients of mixed sizes, so the
 host work, not the arithmetic, is what is timed; ``--numel`` gives every parameter that many
@@ -113,6 +114,42 @@ def _profile(n: int, device: torch.device) -> int:
     return 0
 
 
+def _alone(counts: list[int], numels: list[int | None], device: torch.device, reps: int) -> int:
+    """The arena's ``unscale_`` and its check (``problem()``) timed by themselves, not interleaved with the
+    other kinds (whose per-tensor work leaves the caches cold): median and best host us of ``reps`` calls."""
+    from amp_backends.gradients.arena import flat_grads_of
+
+    print(f"# arena alone (check='refcount'), {reps} calls each: median / best host us")
+    print(f"{'params':>7} {'numel':>6} {'unscale_':>16} {'problem()':>16}")
+    for numel in numels:
+        for n in counts:
+            params = _params(n, device, numel)
+            opt = torch.optim.SGD(params, lr=0.1)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            arena = amp_backends.flat_grads(opt)
+            scaler = amp_backends.GradScaler(device, init_scale=1.0)
+            scaler.scale(torch.ones((), device=device))
+
+            def step() -> None:
+                scaler._per_optimizer_states[id(opt)] = _refresh_per_optimizer_state()
+                scaler.unscale_(opt)
+
+            figures = []
+            for fn in (step, arena.problem):
+                for _ in range(20):
+                    fn()
+                samples = []
+                for _ in range(reps):
+                    start = time.perf_counter()
+                    fn()
+                    samples.append(time.perf_counter() - start)
+                figures.append(f"{statistics.median(samples) * 1e6:.1f} / {min(samples) * 1e6:.1f}")
+            assert flat_grads_of(opt) is arena
+            print(f"{n:>7} {numel or 'mixed':>6} {figures[0]:>16} {figures[1]:>16}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="200,2000,10000", help="comma-separated parameter counts")
@@ -122,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--alone", action="store_true",
+                        help="instead: the arena's unscale_ and check timed by themselves (median and best)")
     parser.add_argument("--profile", type=int, metavar="N",
                         help="instead: where the arena's unscale_ spends its host time at N parameters (cProfile)")
     args = parser.parse_args(argv)
@@ -131,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in args.params.split(",")]
     kernel = amp_backends.get(device.type).kernel.name
     numels: list[int | None] = [None if x == "mixed" else int(x) for x in args.numel.split(",")]
+    if args.alone:
+        return _alone(counts, numels, device, args.reps)
     rows = []
     for numel in numels:
         for n in counts:
