@@ -145,7 +145,7 @@ class PrecisionPolicy:
 
     @property
     def active(self) -> bool:
-        return bool(self._held) or bool(self.fp8)
+        return any(module() is not None for module, _ in self._held.values()) or bool(self.fp8)
 
     def __enter__(self) -> PrecisionPolicy:
         return self
