@@ -2,9 +2,12 @@
 
     python bench/host.py                       # 200, 2000 and 10000 parameters
     python bench/host.py --params 2000 --json out.json
+    python bench/host.py --params 500,2000,8000 --numel 4,1   # parameters of 4 elements, then of 1
+    python bench/host.py --params 500,2000,8000 --numel 4,1 --alone   # the arena's unscale_ and check alone
 
 For each size, four optimizers over identical parameters (small gradients of mixed sizes, so the
-host work, not the arithmetic, is what is timed): ours with ``amp_backends.flat_grads`` (arena,
+host work, not the arithmetic, is what is timed; ``--numel`` gives every parameter that many
+elements instead, one-element parameters included): ours with ``amp_backends.flat_grads`` (arena,
 ``check="refcount"``, the default: constant work), the same with ``check="identity"`` (a look at
 every parameter), ours without an arena (per-tensor), and ``torch.amp.GradScaler`` (the anchor). Two operations per step:
 ``unscale_`` alone, and unscale + clip (ours: ``scaler.clip_grad_norm_``; torch: ``unscale_`` then
@@ -33,17 +36,18 @@ KINDS = ("arena", "arena-identity", "per-tensor", "torch")
 SIZES = (16, 64, 9, 128, 3, 37)  # elements per gradient, cycled: small, so that host work dominates
 
 
-def _params(n: int, device: torch.device, seed: int = 0) -> list[torch.nn.Parameter]:
+def _params(n: int, device: torch.device, numel: int | None = None, seed: int = 0) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        t = torch.rand(SIZES[i % len(SIZES)], generator=g) + 0.5
+        t = torch.rand(numel or SIZES[i % len(SIZES)], generator=g) + 0.5
         out.append(torch.nn.Parameter(t.to(device)))
     return out
 
 
-def _setup(n: int, device: torch.device, kind: str) -> tuple[Callable[[], object], Callable[[], object]]:
-    params = _params(n, device)
+def _setup(n: int, device: torch.device, kind: str,
+           numel: int | None = None) -> tuple[Callable[[], object], Callable[[], object]]:
+    params = _params(n, device, numel)
     opt = torch.optim.SGD(params, lr=0.1)
     g = torch.Generator().manual_seed(1)
     for p in params:
@@ -110,12 +114,53 @@ def _profile(n: int, device: torch.device) -> int:
     return 0
 
 
+def _alone(counts: list[int], numels: list[int | None], device: torch.device, reps: int) -> int:
+    """The arena's ``unscale_`` and its check (``problem()``) timed by themselves, not interleaved with the
+    other kinds (whose per-tensor work leaves the caches cold): median and best host us of ``reps`` calls."""
+    from amp_backends.gradients.arena import flat_grads_of
+
+    print(f"# arena alone (check='refcount'), {reps} calls each: median / best host us")
+    print(f"{'params':>7} {'numel':>6} {'unscale_':>16} {'problem()':>16}")
+    for numel in numels:
+        for n in counts:
+            params = _params(n, device, numel)
+            opt = torch.optim.SGD(params, lr=0.1)
+            for p in params:
+                p.grad = torch.ones_like(p)
+            arena = amp_backends.flat_grads(opt)
+            scaler = amp_backends.GradScaler(device, init_scale=1.0)
+            scaler.scale(torch.ones((), device=device))
+
+            def step() -> None:
+                scaler._per_optimizer_states[id(opt)] = _refresh_per_optimizer_state()
+                scaler.unscale_(opt)
+
+            figures = []
+            for fn in (step, arena.problem):
+                for _ in range(20):
+                    fn()
+                samples = []
+                for _ in range(reps):
+                    start = time.perf_counter()
+                    fn()
+                    samples.append(time.perf_counter() - start)
+                figures.append(f"{statistics.median(samples) * 1e6:.1f} / {min(samples) * 1e6:.1f}")
+            assert flat_grads_of(opt) is arena
+            print(f"{n:>7} {numel or 'mixed':>6} {figures[0]:>16} {figures[1]:>16}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="200,2000,10000", help="comma-separated parameter counts")
+    parser.add_argument("--numel", default="mixed",
+                        help="elements per parameter, comma-separated (e.g. 4,1); 'mixed': 16, 64, 9, 128, 3, 37 in turn")
+    parser.add_argument("--ops", default="unscale_,clip_grad_norm_", help="which to time, comma-separated")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--alone", action="store_true",
+                        help="instead: the arena's unscale_ and check timed by themselves (median and best)")
     parser.add_argument("--profile", type=int, metavar="N",
                         help="instead: where the arena's unscale_ spends its host time at N parameters (cProfile)")
     args = parser.parse_args(argv)
@@ -124,13 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     counts = [int(x) for x in args.params.split(",")]
     kernel = amp_backends.get(device.type).kernel.name
+    numels: list[int | None] = [None if x == "mixed" else int(x) for x in args.numel.split(",")]
+    if args.alone:
+        return _alone(counts, numels, device, args.reps)
     rows = []
-    for n in counts:
-        ops = {kind: _setup(n, device, kind) for kind in KINDS}
-        for index, op in enumerate(("unscale_", "clip_grad_norm_")):
-            t = _time({kind: fns[index] for kind, fns in ops.items()}, device, args.reps)
-            rows.append({"params": n, "op": op, **{f"{k}_us": v * 1e6 for k, v in t.items()},
-                         **{f"torch/{k}": t["torch"] / t[k] for k in KINDS if k != "torch"}})
+    for numel in numels:
+        for n in counts:
+            ops = {kind: _setup(n, device, kind, numel) for kind in KINDS}
+            for index, op in enumerate(("unscale_", "clip_grad_norm_")):
+                if op not in args.ops.split(","):
+                    continue
+                t = _time({kind: fns[index] for kind, fns in ops.items()}, device, args.reps)
+                rows.append({"params": n, "numel": numel or "mixed", "op": op,
+                             **{f"{k}_us": v * 1e6 for k, v in t.items()},
+                             **{f"torch/{k}": t["torch"] / t[k] for k in KINDS if k != "torch"}})
     header = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
@@ -140,10 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"# {header['device']} | torch {header['torch']} | our kernel: {kernel} | {header['date']} | "
           f"median host us per call, {args.reps} interleaved reps")
-    print(f"{'params':>7} {'op':<16} " + " ".join(f"{k:>14}" for k in KINDS) + "   torch/" + " torch/".join(
-        k for k in KINDS if k != "torch"))
+    print(f"{'params':>7} {'numel':>6} {'op':<16} " + " ".join(f"{k:>14}" for k in KINDS) + "   torch/"
+          + " torch/".join(k for k in KINDS if k != "torch"))
     for r in rows:
-        print(f"{r['params']:>7} {r['op']:<16} " + " ".join(f"{r[k + '_us']:>14.1f}" for k in KINDS) + "   "
+        print(f"{r['params']:>7} {r['numel']:>6} {r['op']:<16} " + " ".join(f"{r[k + '_us']:>14.1f}" for k in KINDS)
+              + "   "
               + " ".join(f"{r['torch/' + k]:>6.1f}x" for k in KINDS if k != "torch"))
     if args.json:
         with open(args.json, "w") as fh:

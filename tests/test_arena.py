@@ -834,3 +834,116 @@ def test_a_parameter_given_a_new_node_is_hooked_again():
     opt.zero_grad()
     model(torch.randn(2, 13)).sum().backward()
     assert arena.problem() is None and all(p.grad._base is arena.groups[0].buffer for p in model.parameters())
+
+
+# -- the host cost per step: constant in the number of parameters ------------------------------------
+def _python_events(fn) -> int:
+    """Python-level calls ``fn()`` makes (frames entered, builtins called from Python), counted by the
+    interpreter's profiler: work done per parameter in Python shows as a count that grows with them."""
+    import sys
+
+    count = [0]
+
+    def tally(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    sys.setprofile(tally)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+def _sized(n: int, numel: int, check: str = "refcount"):
+    params = [torch.nn.Parameter(torch.rand(numel) + 0.5) for _ in range(n)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    amp_backends.flat_grads(opt, check=check)
+    for p in params:
+        p.grad = None
+    loss = sum(p.sum() for p in params)
+    scaler = GradScaler("cpu", init_scale=4.0)
+    scaler.scale(loss).backward()
+    return opt, scaler
+
+
+@pytest.mark.parametrize("numel", [1, 4])
+def test_the_checks_before_each_op_do_no_python_work_per_parameter(numel):
+    """The issue's sizes in small: the arena's check and the whole ``unscale_`` make the same number of
+    Python calls at 20 and 2000 parameters (round 4 compared each one-element parameter in Python: 2000
+    more calls there). Counted, not timed: it holds on any machine."""
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    counts = {}
+    for n in (20, 2000):
+        opt, scaler = _sized(n, numel)
+        arena = flat_grads_of(opt)
+        assert arena.problem() is None
+        problem = _python_events(arena.problem)
+        for _ in range(2):  # the second call counted: the first fills caches
+            scaler._per_optimizer_states[id(opt)] = _refresh_per_optimizer_state()
+            unscale = _python_events(lambda: scaler.unscale_(opt))
+        counts[n] = (problem, unscale)
+    assert counts[20] == counts[2000], counts
+    opt, scaler = _sized(2000, numel, check="identity")  # the check that looks at every parameter: it grows
+    small, _ = _sized(20, numel, check="identity")
+    assert _python_events(flat_grads_of(opt).problem) > _python_events(flat_grads_of(small).problem) + 1000
+
+
+_MUTATIONS = {  # each leaves the list holding other tensors, or the same in another order
+    "item": lambda ps, new: ps.__setitem__(1, new),
+    "slice": lambda ps, new: ps.__setitem__(slice(1, 2), [new]),
+    "insert, del": lambda ps, new: (ps.insert(1, new), ps.__delitem__(2)),
+    "append, pop": lambda ps, new: (ps.append(new), ps.pop(1), ps.insert(1, ps.pop())),
+    "remove, insert": lambda ps, new: (ps.remove(ps[0]), ps.insert(0, new)),
+    "reverse": lambda ps, new: ps.reverse(),
+    "sort": lambda ps, new: ps.sort(key=lambda p: -p.numel()),
+    "+=, del": lambda ps, new: (ps.__iadd__([new]), ps.__delitem__(1), ps.insert(1, ps.pop())),
+    "clear, extend": lambda ps, new: (lambda old: (ps.clear(), ps.extend([old[0], new, *old[2:]])))(list(ps)),
+    "*=": lambda ps, new: ps.__imul__(2),
+}
+
+
+@pytest.mark.parametrize("how", list(_MUTATIONS))
+def test_every_way_of_changing_a_groups_list_is_seen_and_undoing_it_is_not_a_change(how):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arena = amp_backends.flat_grads(opt)
+    params = opt.param_groups[0]["params"]
+    before = list(params)
+    new = torch.nn.Parameter(torch.zeros_like(before[1]))
+    _MUTATIONS[how](params, new)
+    assert params is opt.param_groups[0]["params"]
+    assert len(params) != len(before) or any(a is not b for a, b in zip(params, before))
+    assert "changed since flat_grads()" in arena.problem() and not arena.fits()
+    params[:] = before  # undone: the same tensors in the same order
+    assert arena.problem() is None and arena.fits()
+    params[0] = params[0]  # a change that changes nothing
+    assert arena.problem() is None
+
+
+def test_a_list_held_elsewhere_at_flat_grads_stays_the_optimizers_and_is_compared():
+    """A reference to the group's list taken before flat_grads() still reaches the optimizer (the list is
+    not swapped for a watched one), and a parameter replaced through it is seen, one-element ones included."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 1), torch.nn.Linear(1, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = opt.param_groups[0]["params"]
+    arena = amp_backends.flat_grads(opt)
+    assert opt.param_groups[0]["params"] is kept and type(kept) is list
+    kept[1] = torch.nn.Parameter(kept[1].detach().clone())  # the one-element bias, equal in value
+    assert "parameter 1 of param group 0 is another tensor" in arena.problem()
+
+
+def test_a_watched_list_pickles_and_copies_as_a_plain_list():
+    from amp_backends.gradients.watched import WatchedList
+
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+    amp_backends.flat_grads(opt)
+    params = opt.param_groups[0]["params"]
+    assert type(params) is WatchedList
+    assert type(pickle.loads(pickle.dumps(params))) is list and type(copy.copy(params)) is list
+    twin = copy.deepcopy(opt)
+    assert type(twin.param_groups[0]["params"]) is list and len(twin.param_groups[0]["params"]) == len(params)
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups[0]["params"] is params and flat_grads_of(opt).problem() is None

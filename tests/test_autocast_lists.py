@@ -312,7 +312,8 @@ def _bce_model(dev: str = "cpu") -> nn.ModuleDict:
 def test_the_policy_runs_bce_in_float32_where_the_devices_autocast_refuses_it(backend, selected):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        policy = amp_backends.precision_policy(_bce_model(), fp32=(), backend=backend())
+        model = _bce_model()  # kept: a policy holds its model weakly
+        policy = amp_backends.precision_policy(model, fp32=(), backend=backend())
     assert ("loss" in policy.selected) is selected
     if selected:
         assert "refuses binary_cross_entropy" in policy.selected["loss"]

@@ -397,9 +397,17 @@ def test_every_scale_is_measured_and_the_best_chosen_by_the_figures():
 
 
 # -- 18: fp8 layers in a float16 check ---------------------------------------------------------------
-def test_values_fp8_loses_are_not_counted_as_lost_to_float16():
+def _lost_masks(low: list[torch.Tensor], ref: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [(a == 0) & (b != 0) for a, b in zip(low, ref)]
+
+
+def test_values_fp8_loses_are_told_from_float16s_by_the_same_model_without_fp8():
     """One Linear trained in fp8 (emulated): a feature 10**-6 times the others is 0 after fp8's tensorwise
-    cast, so that column of its weight gradient is 0 at every loss scale; float16 is not to blame."""
+    cast, so that column of its weight gradient is 0 at every loss scale. At each scale the fp8 model is
+    run against the same model without fp8 (a copy made before the policy, under the same autocast): a
+    value lost by both is float16's, a value only the fp8 model loses is fp8's."""
+    import copy
+
     pytest.importorskip("torchao")
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
@@ -410,6 +418,7 @@ def test_values_fp8_loses_are_not_counted_as_lost_to_float16():
         return out.float().pow(2).mean() * 2.0**-10
 
     plain = _fp32_grads(model, x, loss_fn)  # float32, before any fp8
+    without = copy.deepcopy(model)  # the same model without fp8
     policy = amp_backends.precision_policy(model, fp32=(), fp8=["0"], emulate=True, backend="cpu")
     try:
         assert list(policy.fp8) == ["0"]
@@ -418,34 +427,117 @@ def test_values_fp8_loses_are_not_counted_as_lost_to_float16():
         assert all(torch.equal(state[k], v) for k, v in model.state_dict().items()) and torch.equal(
             torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters()), "left as it was"
         assert type(model[0]).__name__ == "Fp8Linear", "the model keeps its fp8 layer"
-        with torch.autocast("cpu", enabled=False):
-            in_fp8 = _fp32_grads(model, x, loss_fn)  # float32 but for the fp8 layer
-        hand = _by_hand(model, x, loss_fn, in_fp8)
-        low = _grads(_fp16_loss(model, x, loss_fn), list(model.parameters()), 2.0**16)
+        with_fp8, no_fp8 = _fp16_loss(model, x, loss_fn), _fp16_loss(without, x, loss_fn)
+        hand, hand_fp8, at = {}, {}, {}
+        for s in SCALES:
+            mine = _grads(with_fp8, list(model.parameters()), s)
+            theirs = _grads(no_fp8, list(without.parameters()), s)
+            lost, kept = _lost_masks(mine, plain), _lost_masks(theirs, plain)
+            hand[s] = (_nonfinite(mine), sum(int((m & k).sum()) for m, k in zip(lost, kept)))
+            hand_fp8[s] = sum(int((m & ~k).sum()) for m, k in zip(lost, kept))
+            at[s] = (lost, kept)
     finally:
         policy.remove()
-    fp8_lost = _lost(in_fp8, plain)
-    assert fp8_lost >= 32, "column 0 of the fp8 layer's weight gradient"
-    assert report.grads_lost_fp8 == fp8_lost and f"{fp8_lost} gradient values lost to the fp8" in report.summary
-    assert report.scales == hand and report.grads_underflow == hand[2.0**16][1]
-    assert _lost(low, plain) >= report.grads_underflow + 32, "against plain float32 fp8's losses would count"
+    assert report.scales == hand and report.scales_lost_fp8 == hand_fp8
+    assert report.backwards_run == 55 + 55, "each scale on the fp8 model and on the model without it"
+    lost, kept = at[2.0**16]
+    assert report.grads_underflow == hand[2.0**16][1] and report.grads_lost_fp8 == hand_fp8[2.0**16]
+    assert sum(int(m.sum()) for m in lost) == report.grads_underflow + report.grads_lost_fp8
+    clean = [s for s in SCALES if not hand[s][0]]
+    assert all(int(at[s][0][0][:, 0].sum()) == 32 for s in clean) and not kept[0][:, 0].any(), \
+        "column 0 of the fp8 layer's weight gradient: lost at every scale; the model without fp8 keeps it at 2**16"
     assert report.best_scales == _best(hand) and report.safe_scales[0] == _best(hand)[0]
     rows = {r.name: r for r in report.rows}
-    assert rows["0"].grads_lost_fp8 == _lost(in_fp8[:2], plain[:2]) >= 32
-    assert rows["0"].grads_underflow == _lost(low[:2], in_fp8[:2]), "what float16 itself loses there"
+    assert rows["0"].grads_lost_fp8 == sum(int((m & ~k).sum()) for m, k in zip(lost[:2], kept[:2])) >= 32
+    assert rows["0"].grads_underflow == sum(int((m & k).sum()) for m, k in zip(lost[:2], kept[:2]))
+    assert f"{report.grads_lost_fp8} gradient values lost to the fp8 layers at scale 65536, not to float16" \
+        in report.summary
 
 
-def test_best_scales_apart_are_all_named():
-    """The choice on figures made up to have two separate best ranges: the longest is the range, the
-    rest are named as good."""
+def test_a_value_fp8_loses_at_every_scale_is_not_blamed_on_float16():
+    """The issue's case: the fp8 model in float16 loses a value at 2**16 that the float32 run keeping the fp8
+    layer in fp8 keeps (so a reference of that kind blamed float16), and that the same model without fp8
+    keeps at 2**16. It is fp8's: float16's figure there is what the model without fp8 loses too."""
+    import copy
+
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    x = torch.randn(8, 32)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.float().pow(2).mean() * 2.0**-10
+
+    plain = _fp32_grads(model, x, loss_fn)
+    without = copy.deepcopy(model)
+    policy = amp_backends.precision_policy(model, fp32=(), fp8=["0"], emulate=True, backend="cpu")
+    try:
+        report = check_model(model, x, "cpu", FP16, loss_fn=loss_fn)
+        with torch.autocast("cpu", enabled=False):
+            in_fp8 = _fp32_grads(model, x, loss_fn)  # float32 but for the fp8 layer
+        mine = _grads(_fp16_loss(model, x, loss_fn), list(model.parameters()), 2.0**16)
+    finally:
+        policy.remove()
+    theirs = _grads(_fp16_loss(without, x, loss_fn), list(without.parameters()), 2.0**16)
+    assert _lost(mine, in_fp8) >= 1 and _lost(in_fp8, plain) == 0, "what the older reference blamed on float16"
+    assert _lost(theirs, plain) == 0, "the same model without fp8 loses nothing at 2**16"
+    assert report.grads_underflow == 0 and report.scales[2.0**16] == (0, 0)
+    assert report.grads_lost_fp8 == _lost(mine, plain) >= 1
+    assert "lost to float16 at scale" not in report.summary and "not to float16" in report.summary
+
+
+class BandDrop(torch.autograd.Function):
+    """Passes the gradient on with the values of magnitude in [1/2, 2) replaced by 0: a backward whose
+    losses depend on the scale in a band, not monotonically."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        band = (g.abs() >= 0.5) & (g.abs() < 2)
+        return torch.where(band, torch.zeros_like(g), g)
+
+
+class Banded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the output's gradient is (2**-10, 2**-3) times the scale: its first column is in the band at
+        # 2**9 and 2**10 only, its second at 2**2 and 2**3
+        return (BandDrop.apply(self.lin(x)).float() * torch.tensor([2.0**-10, 2.0**-3])).sum()
+
+
+def test_best_scales_apart_are_each_measured_and_the_gaps_said():
+    """The issue's case: the fewest values are lost at 2**8 and from 2**11 up, not at 2**9 and 2**10.
+    Every best scale is named, each range stated is measured at every power of two in it, and what the
+    scales between the ranges lose is said."""
     from amp_backends.inspector.scales import choose
 
     figures = {1.0: (0, 2), 2.0: (0, 0), 4.0: (0, 0), 8.0: (3, 0), 16.0: (0, 0), 32.0: (0, 5)}
     assert choose(figures) == ([2.0, 4.0, 16.0], (2.0, 4.0))
     assert choose({1.0: (1, 0), 2.0: (4, 0)}) == ([], None), "every scale overflows"
     assert choose({1.0: (0, 0), 4.0: (0, 0)}) == ([1.0, 4.0], (4.0, 4.0)), "as long: the higher"
-    torch.manual_seed(6)
-    model, x = Guarded(), torch.randn(4, 8) * 2.0**-6
+    model, x = Banded(), torch.rand(3, 4) + 0.5
     report = check_model(model, x, "cpu", FP16, loss_fn=_scalar)
-    report.best_scales = [*report.best_scales, 2.0**20]
-    assert "best loss scales 2**-8..2**14, and as good: 2**20 (measured" in report.summary
+    hand = _by_hand(model, x, _scalar, _fp32_grads(model, x, _scalar))
+    assert hand[2.0**8] == (0, 0) and hand[2.0**9] == hand[2.0**10] == (0, 5) and hand[2.0**11] == (0, 0)
+    assert report.scales == hand and report.best_scales == _best(hand)
+    best = report.best_scales
+    assert 2.0**8 in best and 2.0**11 in best and 2.0**9 not in best and 2.0**10 not in best
+    lo, hi = report.safe_scales
+    assert all(s in best for s in SCALES if lo <= s <= hi), "every power of two in the range stated is measured best"
+    runs, k = [], 0
+    while k < len(best):  # the runs of consecutive powers of two, by hand
+        j = k
+        while j + 1 < len(best) and best[j + 1] == best[j] * 2:
+            j += 1
+        runs.append((best[k], best[j]))
+        k = j + 1
+    named = ", ".join(f"2**{int(math.log2(a))}" + ("" if a == b else f"..2**{int(math.log2(b))}") for a, b in runs)
+    assert f"best loss scales {named} (0 values lost to float16 at each; between them, measured: " in report.summary
+    assert "2**9..2**10 lose 5" in report.summary and len(runs) == 3, "and 2**2..2**3, the second column's band"

@@ -256,7 +256,8 @@ def test_the_recipe_without_example_inputs_says_how_it_guessed_the_head():
 
     guessed = precision_policy(ClassifierFirst())
     assert "pass example_inputs" in guessed.head_found_by
-    found = precision_policy(ClassifierFirst(), example_inputs=torch.randn(2, 4))
+    model = ClassifierFirst()  # kept: a policy holds its model weakly
+    found = precision_policy(model, example_inputs=torch.randn(2, 4))
     assert "recipe: the final classifier / head" in found.selected.get("classifier", "")
     assert "body" not in found.selected
 
@@ -392,3 +393,44 @@ def test_remove_keeps_a_compile_setting_the_user_set_while_the_policy_held_it(fr
         assert _setting() == fresh_setting, "a setting nobody changed comes back"
     finally:
         config.backward_pass_autocast = fresh_setting
+
+
+@needs_setting
+def test_torchs_setting_comes_back_at_remove_after_a_compiled_step(fresh_setting):
+    """Read before and after: the policy's hold during a compiled training step, torch's value after
+    remove(), and the model trains on (eager) as it would without the policy."""
+    model = _mlp3()
+    policy = precision_policy(model)
+    x = torch.randn(8, 16)
+    _grads(model, x, True)
+    assert _setting() == "off"
+    policy.remove()
+    assert _setting() == fresh_setting
+    _grads(model, x, False)
+    assert _setting() == fresh_setting
+
+
+@needs_setting
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp32+fp8"])
+def test_torchs_setting_comes_back_when_the_policed_model_is_collected_while_the_policy_lives(fresh_setting, fp8):
+    """The policy object kept (as a variable usually is), the model dropped: the policy holds the model
+    weakly, so the model is freed, and with its last float32 module torch's value comes back."""
+    import gc
+    import weakref
+
+    if fp8:
+        pytest.importorskip("torchao")
+    model = _mlp3()
+    kwargs = {"fp8": ["0"], "emulate": True, "backend": "cpu"} if fp8 else {}
+    policy = precision_policy(model, **kwargs)
+    assert policy.selected and _setting() == "off" and (not fp8 or list(policy.fp8) == ["0"])
+    _grads(model, torch.randn(8, 16), True)
+    gone = weakref.ref(model)
+    del model
+    torch._dynamo.reset()
+    gc.collect()
+    assert gone() is None, "the policy does not keep the model alive"
+    assert _setting() == fresh_setting, "torch's value is back with the last policed module"
+    assert policy.model is None and policy.selected == {} and policy.fp8 == {}
+    policy.remove()  # nothing left to undo: harmless
+    assert _setting() == fresh_setting

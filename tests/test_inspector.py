@@ -361,7 +361,8 @@ def test_the_recipe_finds_the_head_by_running_the_model():
             return nn.functional.linear(self.norm(self.hidden(self.emb(ids))), self.emb.weight)
 
     with pytest.warns(RuntimeWarning, match="head is not selected: the last matmul ran in '\\(model\\)'"):
-        tied = amp_backends.precision_policy(TiedLM(), example_inputs=torch.zeros(1, 3, dtype=torch.long))
+        model = TiedLM()  # kept: a policy holds its model weakly
+        tied = amp_backends.precision_policy(model, example_inputs=torch.zeros(1, 3, dtype=torch.long))
     assert set(tied.selected) == {"norm"}, "no hidden layer taken for the head"
 
 

@@ -24,6 +24,7 @@ ORDER = [
     "amp_backends.scaler.telemetry",
     "amp_backends.gradients.collect",
     "amp_backends.gradients.arena",
+    "amp_backends.gradients.watched",
     "amp_backends.gradients.executor",
     "amp_backends.gradients.kernel",
     "amp_backends.gradients.groups",

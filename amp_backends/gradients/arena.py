@@ -8,9 +8,10 @@ the parameter's ``AccumulateGrad`` node first puts the slot's zero view there (:
 so torch accumulates into the buffer in place. The scaler then unscales, checks, measures and clips
 whole buffers: constant Python per (device, dtype), the per-tensor path's results (docs/arena.md).
 
-Before each op the arena confirms the optimizer still has the parameters it was built for (one
-pointer comparison each, in C: a parameter replaced in its group's list is seen), then that the
-buffers hold their gradients (``check=``):
+Before each op the arena confirms the optimizer still has the parameters it was built for: each
+group's list counts its own changes (:mod:`.watched`), so a parameter replaced in it is seen by one
+integer comparison per group (a list someone else held at ``flat_grads()`` is compared tensor by
+tensor, in C). Then it confirms that the buffers hold their gradients (``check=``):
 
 - ``"refcount"`` (default): constant work per buffer and per parameter without a gradient. Each
   slot has one view alive, in ``.grad`` or kept by the arena, so the buffer's storage is shared by
@@ -32,6 +33,7 @@ brings the gradients back. The arena holds its optimizer weakly: it goes when th
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import warnings
 import weakref
@@ -43,6 +45,7 @@ import torch
 from ..eager import eager
 from .accumulation import Hooks, holders, take_over
 from .groups import ALIGN_BYTES, ARENA_ATTR, FP16_PARAMS, FlatGroup, layout, views_of
+from .watched import ParamGroups
 
 __all__ = ["ALIGN_BYTES", "ARENA_ATTR", "CHECKS", "FP16_PARAMS", "FlatGrads", "FlatGroup", "flat_grads", "flat_grads_of",
            "layout"]
@@ -141,12 +144,9 @@ class FlatGrads:
         _require_known(check)
         self._optimizer = weakref.ref(optimizer)
         self.check = check
-        #: each param group's list of parameters, and a copy: what the optimizer had at flat_grads()
-        self._lists = tuple(g["params"] for g in optimizer.param_groups)
-        self._copies = tuple(list(params) for params in self._lists)
-        #: where one-element parameters stand: another one-element tensor there may compare equal by value
-        self._scalars = tuple((k, j) for k, ps in enumerate(self._copies) for j, p in enumerate(ps) if p.numel() == 1)
-        self._params = tuple(dict.fromkeys(p for params in self._copies for p in params))
+        #: the param groups' lists of parameters, watched where they can be (:mod:`.watched`)
+        self._param_groups = ParamGroups(optimizer)
+        self._params = tuple(dict.fromkeys(p for params in self._param_groups.copies for p in params))
         self._slots: tuple[_Slots, ...] = tuple(_build(self._params))
         self.groups: tuple[FlatGroup, ...] = tuple(s.group for s in self._slots)
         self._fp16 = any(g.dtype == torch.float16 for g in self.groups)
@@ -177,48 +177,11 @@ class FlatGrads:
         optimizer = self._optimizer()
         if optimizer is None:
             return "the optimizer this arena was made for is gone"
-        if not self._unchanged(optimizer):
-            return self._change(optimizer)
+        if not self._param_groups.unchanged(optimizer):
+            return self._param_groups.change(optimizer)
         if self._consistent() if self.check == "refcount" else self._each_in_place():
             return None
         return self._resync()
-
-    def _unchanged(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether each param group is the list it was, holding the same tensors (a parameter replaced
-        in place, ``group["params"][i] = new``, changes neither the list nor its length)."""
-        groups = optimizer.param_groups
-        if len(groups) != len(self._lists):
-            return False
-        for group, params, copy in zip(groups, self._lists, self._copies):
-            current = group["params"]
-            if current is not params:
-                return False
-            try:
-                # the same tensors compare by identity (one pointer comparison each); a different
-                # tensor compares by value, and says "not equal" or raises (ambiguous, shapes, devices)
-                if current != copy:
-                    return False
-            except Exception:  # noqa: BLE001 - any failure to compare is a change
-                return False
-        # a one-element tensor equal in value passes the comparison above: those by identity
-        return not self._scalars or all(self._lists[k][j] is self._copies[k][j] for k, j in self._scalars)
-
-    def _change(self, optimizer: torch.optim.Optimizer) -> str:
-        """What :meth:`_unchanged` found (the per-tensor path's cost: a walk)."""
-        groups = optimizer.param_groups
-        detail = f"{len(groups)} param groups, {len(self._lists)} at flat_grads() (optimizer.add_param_group?)"
-        for k, (group, params, copy) in enumerate(zip(groups, self._lists, self._copies)):
-            current = group["params"]
-            if current is not params or len(current) != len(copy):
-                detail = f"param group {k}'s list of parameters was replaced or resized"
-                break
-            j = next((j for j, (a, b) in enumerate(zip(current, copy)) if a is not b), None)
-            if j is not None:
-                detail = (f"parameter {j} of param group {k} is another tensor (model surgery?), whose gradient "
-                          "the arena does not hold")
-                break
-        return (f"the optimizer's parameters changed since flat_grads(): {detail}; call "
-                "amp_backends.flat_grads(optimizer) again")
 
     def _consistent(self) -> bool:
         if self._outside:
@@ -230,7 +193,7 @@ class FlatGrads:
             for i in s.free:
                 if params[i].grad is not None:
                     return False
-        return all(p.grad is None for p in self._slotless)
+        return _all_none(self._slotless)
 
     def _each_in_place(self) -> bool:
         """``"identity"``: every parameter's ``.grad`` is its slot's view, or None with the slot free
@@ -325,7 +288,7 @@ class FlatGrads:
     def fits(self) -> bool:
         """Whether every parameter still matches its slot (same parameters, dtypes, shapes, devices)."""
         optimizer = self._optimizer()
-        if optimizer is None or not self._unchanged(optimizer):
+        if optimizer is None or not self._param_groups.unchanged(optimizer):
             return False
         return all(
             p.dtype == g.dtype and p.shape == shape and p.device == g.device
@@ -484,6 +447,14 @@ def _foreign(grad: torch.Tensor, group: FlatGroup, i: int) -> str:
     return ("a gradient is a tensor outside the arena (assigned by hand; a DDP bucket view, with "
             "gradient_as_bucket_view=True, or a gradient DDP filled in; or made by torch in a backward with "
             "create_graph=True or sparse gradients): optimizer.zero_grad() brings it back")
+
+
+_grad_of = operator.attrgetter("grad")
+
+
+def _all_none(params: Sequence[torch.Tensor]) -> bool:
+    """Whether no parameter of ``params`` has a gradient (read in C: no Python frame per parameter)."""
+    return list(map(_grad_of, params)).count(None) == len(params)
 
 
 @functools.cache

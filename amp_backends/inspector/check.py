@@ -13,9 +13,10 @@ the same forward and backward in float32 as the reference:
   input);
 - float16's range, measured: the scaled backward run at every power of two from 2**-24 to 2**30
   (:mod:`.scales`), each gradient element judged against the float32 reference (an element lost is
-  zero in float16's gradient and not in float32's; for fp8 layers, not in a reference that keeps them
-  in fp8); every parameter counted once; a model whose loss is inf/NaN, or whose gradients hold
-  inf/NaN at every one of those scales, is said to be beyond loss scaling;
+  zero in float16's gradient and not in float32's); with fp8 layers, the values lost at every scale
+  that the same model without fp8 does not lose at every scale are fp8's, reported apart; every
+  parameter counted once; a model whose loss is inf/NaN, or whose gradients hold inf/NaN at every one
+  of those scales, is said to be beyond loss scaling;
 - the first op that produced inf/NaN, forward and backward (:mod:`amp_backends.tracing.produced`: an
   overflow or a NaN made by arithmetic, not an inf written on purpose): module, op, dtype, shape, count;
 - per module, the relative error of its outputs and of its gradients against float32.
@@ -23,11 +24,12 @@ the same forward and backward in float32 as the reference:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -196,29 +198,38 @@ def check_model(
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
     fp16 = low == torch.float16
     with untouched(model, be.device_type) as rng:
-        ref_outputs, ref_grads, fp8_grads = None, None, None
+        ref_outputs, ref_grads = None, None
         kept: list[str] = []
         if compare or fp16:  # the float32 reference (fp8 layers as plain Linear layers)
             with fp8.as_linear(model) as kept:
                 ref_outputs, ref_grads = _reference(model, args, kwargs, be, loss_fn, params, compare)
             rng.restore()
-            if fp16 and ref_grads is not None and any(fp8.is_fp8(m) for m in model.modules()):
-                # what the fp8 layers lose by themselves: everything else in float32, they in fp8
-                _, fp8_grads = _reference(model, args, kwargs, be, loss_fn, params, False)
-                rng.restore()
-        run = _low_run(model, args, kwargs, be, low, loss_fn, params, scale,
-                       fp8_grads if fp8_grads is not None else ref_grads, compare)
+        without_fp8 = None
+        if fp16 and ref_grads is not None and any(fp8.is_fp8(m) for m in model.modules()):
+            without_fp8 = functools.partial(_loss_without_fp8, model, args, kwargs, be, low, loss_fn, params, rng)
+        run = _low_run(model, args, kwargs, be, low, loss_fn, params, scale, ref_grads, compare, without_fp8)
         held = None
         if memory:
             rng.restore()
             held = saved_by_module(model, args, kwargs, be, low)
-    report = _report(model, be, low, scale, run, ref_outputs, ref_grads, fp8_grads, params, set(fp32_modules(model)))
+    report = _report(model, be, low, scale, run, ref_outputs, ref_grads, params, set(fp32_modules(model)))
     if held is not None:
         _add_memory(report, *held)
     if kept:
+        also = (" (and in the model without fp8 that tells fp8's losses from float16's: what fp8 loses there "
+                "counts as float16's)" if fp16 else "")
         report.notes.append(f"fp8 layers with submodules of their own ran in fp8 in the float32 reference too (a plain "
-                            f"Linear would drop what they add): {', '.join(kept)}; their errors leave out fp8's")
+                            f"Linear would drop what they add): {', '.join(kept)}; their errors leave out fp8's{also}")
     return report
+
+
+def _loss_without_fp8(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend, low: torch.dtype,
+                      loss_fn: Any, params: list[torch.Tensor], rng: Any) -> torch.Tensor | None:
+    """The loss of the same model without fp8 (its fp8 layers as plain Linear layers holding the same
+    parameters) under the same autocast and dropout masks, its graph kept."""
+    rng.restore()
+    with fp8.as_linear(model), be.autocast(low):
+        return _loss_of(model(*args, **kwargs), loss_fn, params)
 
 
 def _add_memory(report: ModelReport, held: dict[str, ModuleMemory], why: str | None) -> None:
@@ -267,14 +278,19 @@ class _Run:
     forward_only: bool
     #: whether the low-precision loss is finite (None: no loss)
     loss_finite: bool | None = None
+    #: per scale, the values lost to the fp8 layers ({}: no fp8 layer, or not float16)
+    fp8_scales: dict[float, int] = field(default_factory=dict)
+    #: per parameter, where the fp8 layers lose values at the scale checked (None: not told apart)
+    fp8_lost: list[torch.Tensor | None] | None = None
 
 
 def _low_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend, low: torch.dtype,
              loss_fn: Any, params: list[torch.Tensor], scale: float, ref_grads: list[torch.Tensor | None] | None,
-             compare: bool) -> _Run:
+             compare: bool, without_fp8: Callable[[], torch.Tensor | None] | None = None) -> _Run:
     """The forward under autocast and the backward at ``scale``, every op recorded; then, for float16,
     more backwards on the same graph at every scale of :data:`.scales.SCALE_RANGE`, each judged against
-    ``ref_grads``."""
+    ``ref_grads``; ``without_fp8`` makes the loss of the same model without fp8, run at each scale too to
+    tell what fp8 loses from what float16 loses."""
     from ..tracing.attribution import Attribution
 
     attribution = Attribution(model)
@@ -293,30 +309,33 @@ def _low_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be
         seen.remove()
         attribution.remove()
     forward_bad, backward_bad = recorder.first_nonfinite(False), recorder.first_nonfinite(True)
-    scales: dict[float, tuple[int, int]] = {}
-    backwards = 1 if grads is not None else 0
+    sweep = measured.Sweep({}, 0)
     if low == torch.float16 and grads is not None and ref_grads is not None:
-        scales, more = measured.measure(loss, params, ref_grads, scale, grads)
-        backwards += more
+        plain = without_fp8() if without_fp8 is not None else None
+        sweep = measured.measure(loss, params, ref_grads, scale, grads, plain)
+        del plain
     finite = None if loss is None else bool(torch.isfinite(loss.detach()).all())
     del loss
-    return _Run(recorder.ops, seen, grads, forward_bad, backward_bad, scales, backwards, grads is None, finite)
+    return _Run(recorder.ops, seen, grads, forward_bad, backward_bad, sweep.scales,
+                (1 if grads is not None else 0) + sweep.backwards, grads is None, finite,
+                fp8_scales=sweep.fp8, fp8_lost=sweep.fp8_at_scale)
 
 
 def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: _Run,
             ref_outputs: dict[str, list[torch.Tensor]] | None, ref_grads: list[torch.Tensor | None] | None,
-            fp8_grads: list[torch.Tensor | None] | None, params: list[torch.Tensor], policed: set[str]) -> ModelReport:
+            params: list[torch.Tensor], policed: set[str]) -> ModelReport:
     by_module: dict[str, list[Op]] = defaultdict(list)
     for op in run.ops:
         by_module[op.module].append(op)
     index = {id(p): i for i, p in enumerate(params)}
     grads = run.grads
     fp16 = low == torch.float16
-    # lost to float16: against the reference that keeps fp8 layers in fp8, where there is one
-    judge = fp8_grads if fp8_grads is not None else ref_grads
-    lost = measured.lost(grads, judge) if grads is not None and judge is not None else [0] * len(params)
-    lost_fp8 = measured.lost(fp8_grads, ref_grads) if fp8_grads is not None and ref_grads is not None \
-        else [0] * len(params)
+    # lost to float16 at the scale checked: against float32, less what fp8's quantisation loses at every scale
+    fp8_lost = run.fp8_lost or [None] * len(params)
+    masks = measured.lost_masks(grads, ref_grads) if grads is not None and ref_grads is not None else []
+    lost = [0 if m is None else int((m & ~f).sum() if f is not None else m.sum()) for m, f in zip(masks, fp8_lost)] \
+        if masks else [0] * len(params)
+    lost_fp8 = [0 if f is None else int(f.sum()) for f in fp8_lost]
     nonfinite = measured.nonfinite(grads) if grads is not None else [0] * len(params)
     rows: list[ModuleRow] = []
     for name, module in model.named_modules():
@@ -397,7 +416,8 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
         grads_underflow=sum(lost) if fp16 else 0, grads_lost_fp8=sum(lost_fp8),
         outputs_over=sum(r.outputs_over for r in rows),
         grads_nonfinite=sum(nonfinite), backward_flops=sum(o.flops for o in run.ops if o.backward),
-        scales=dict(sorted(run.scales.items())), backwards_run=run.backwards, beyond_scaling=beyond,
+        scales=dict(sorted(run.scales.items())), scales_lost_fp8=dict(sorted(run.fp8_scales.items())),
+        backwards_run=run.backwards, beyond_scaling=beyond,
         loss_finite=run.loss_finite,
         first_nonfinite_forward=run.forward_bad, first_nonfinite_backward=run.backward_bad, head=head, notes=notes,
     )

@@ -51,8 +51,8 @@ class ModuleRow:
     grads_underflow: int = 0
     #: gradient elements that came out inf/NaN at the loss scale checked
     grads_nonfinite: int = 0
-    #: gradient elements of its own parameters lost to the model's fp8 layers' own rounding (zero in a
-    #: float32 run that keeps the fp8 layers in fp8, not in plain float32): not in grads_underflow
+    #: gradient elements of its own parameters lost to the model's fp8 layers at the scale checked (the
+    #: same model without fp8 keeps them there): not in grads_underflow
     grads_lost_fp8: int = 0
     grad_norm: float | None = None
     #: relative error against the float32 run: ||low - fp32|| / ||fp32|| of its outputs and gradients
@@ -89,8 +89,9 @@ class ModelReport:
     total_flops: int
     low_flops: int
     misaligned_flops: int
-    #: the longest run of consecutive powers of two among ``best_scales`` (the higher of two as long);
-    #: None where no scale works (or float16 is not the dtype)
+    #: the longest run of consecutive powers of two among ``best_scales`` (the higher of two as long),
+    #: every scale in it measured; None where no scale works (or float16 is not the dtype). The summary
+    #: names every run of ``best_scales`` and what the scales between them measured
     safe_scales: tuple[float, float] | None
     grad_norm: float
     params_over: int
@@ -100,8 +101,11 @@ class ModelReport:
     grads_nonfinite: int = 0
     backward_flops: int = 0
     #: per scale tried (every power of two from 2**-24 to 2**30): (gradient elements inf/NaN, gradient
-    #: elements lost to float16)
+    #: elements lost to float16: what fp8's quantisation loses, ``grads_lost_fp8``, left out)
     scales: dict[float, tuple[int, int]] = field(default_factory=dict)
+    #: per scale tried, for a model with fp8 layers: gradient elements lost to the fp8 layers (the same
+    #: model without fp8 keeps them at that scale); {} without fp8 layers
+    scales_lost_fp8: dict[float, int] = field(default_factory=dict)
     #: every scale tried with no inf/NaN gradient that loses the fewest values, ascending (measured: they
     #: need not be consecutive)
     best_scales: list[float] = field(default_factory=list)
@@ -112,8 +116,9 @@ class ModelReport:
     beyond_scaling: bool = False
     #: whether the loss of the low-precision forward is finite (None: forward only)
     loss_finite: bool | None = None
-    #: gradient values lost to the fp8 layers' own rounding (zero in a float32 run that keeps the fp8
-    #: layers in fp8, not in plain float32): loss scaling does not recover them; not in ``grads_underflow``
+    #: gradient values lost to the fp8 layers at the scale checked: zero there, where the same model without
+    #: fp8 (its fp8 layers as plain Linear layers, the same autocast) keeps them at that scale; not in
+    #: ``grads_underflow`` nor in ``scales``' figures (per scale: ``scales_lost_fp8``)
     grads_lost_fp8: int = 0
     #: forward matmul FLOPs of the layers trained in fp8 (not counted in ``low_flops``)
     fp8_flops: int = 0
@@ -197,14 +202,14 @@ class ModelReport:
                 if self.grads_underflow:
                     parts.append(f"{self.grads_underflow} gradient values lost to float16 at scale {self.loss_scale:g}")
                 if self.safe_scales:
-                    lo, hi = self.safe_scales
-                    others = [s for s in self.best_scales if not lo <= s <= hi]
-                    also = f", and as good: {', '.join(map(pow2, others))}" if others else ""
-                    parts.append(f"best loss scales {pow2(lo)}..{pow2(hi)}{also} (measured: {self.backwards_run} "
-                                 "scaled backward passes)")
-            if self.grads_lost_fp8:
-                parts.append(f"{self.grads_lost_fp8} gradient values lost to the fp8 layers' own rounding (not to "
-                             "float16: loss scaling does not recover them)")
+                    parts.append(self._best_text())
+            if self.scales_lost_fp8 and any(self.scales_lost_fp8.values()):
+                clean = [n for s, n in self.scales_lost_fp8.items() if not self.scales.get(s, (1, 0))[0]]
+                spread = f"{min(clean)}..{max(clean)}" if clean and min(clean) != max(clean) else \
+                    (str(clean[0]) if clean else "-")
+                parts.append(f"{self.grads_lost_fp8} gradient values lost to the fp8 layers at scale "
+                             f"{self.loss_scale:g}, not to float16 (the same model without fp8 keeps them there; "
+                             f"{spread} at each scale without inf/NaN: loss scaling does not recover them)")
             if self.grads_over or self.params_over or self.outputs_over:
                 parts.append(f"values over fp16's 65504: {self.params_over} in parameters, {self.outputs_over} in "
                              f"outputs, {self.grads_over} in gradients")
@@ -215,9 +220,24 @@ class ModelReport:
         parts += self.notes
         return "; ".join(parts)
 
+    def _best_text(self) -> str:
+        """Every best scale, as runs of consecutive powers of two, each measured; and what the scales
+        between two runs measured (they are not best)."""
+        from .scales import gaps, runs
+
+        spans = ", ".join(_span(a, b) for a, b in runs(self.best_scales))
+        fewest = self.scales[self.best_scales[0]][1] if self.best_scales[0] in self.scales else 0
+        between = [f"{_span(a, b)} " + (f"overflow ({bad} inf/NaN values)" if bad else f"lose {lost}")
+                   for a, b, bad, lost in gaps(self.scales, self.best_scales)]
+        shown = ", ".join(between[:4]) + (f", and {len(between) - 4} more" if len(between) > 4 else "")
+        gap = f"; between them, measured: {shown}" if between else ""
+        return (f"best loss scales {spans} ({fewest} values lost to float16 at each{gap}; measured: "
+                f"{self.backwards_run} scaled backward passes)")
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["scales"] = {str(k): list(v) for k, v in self.scales.items()}
+        out["scales_lost_fp8"] = {str(k): v for k, v in self.scales_lost_fp8.items()}
         for key in ("first_nonfinite_forward", "first_nonfinite_backward"):
             value = getattr(self, key)
             out[key] = None if value is None else {**asdict(value), "text": str(value)}
@@ -244,6 +264,10 @@ class ModelReport:
         head = ["module", "type", "forward", "backward", "MFLOPs", "float32 because", "off fast path",
                 "grad lost", "over 65504 / inf", "out err", "grad err", "grad norm", "fp8", "held (lean)"]
         return render_table(head, rows)
+
+
+def _span(lo: float, hi: float) -> str:
+    return pow2(lo) if lo == hi else f"{pow2(lo)}..{pow2(hi)}"
 
 
 def _label(row: ModuleRow) -> str:

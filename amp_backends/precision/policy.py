@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,10 +59,14 @@ OP_MODULES: dict[str, tuple[type, ...]] = {
 
 @dataclass
 class PrecisionPolicy:
-    """The modules a :func:`precision_policy` runs in float32; :meth:`remove` undoes it."""
+    """The modules a :func:`precision_policy` runs in float32; :meth:`remove` undoes it.
 
-    model: nn.Module
-    _held: dict[str, tuple[nn.Module, Fp32Forward]] = field(default_factory=dict, repr=False)
+    It holds the model and its modules weakly: a policed model nobody else holds is freed even while
+    its policy lives, and with it what the policy set for it (:func:`.fp32_forward.hold_eager_backward`)."""
+
+    _model: weakref.ref = field(repr=False)
+    #: name -> (the module, its float32 wrapper), each held weakly
+    _held: dict[str, tuple[weakref.ref, weakref.ref]] = field(default_factory=dict, repr=False)
     _reasons: dict[str, str] = field(default_factory=dict, repr=False)
     #: modules a selector picked that a policy cannot run in float32 this way, with why
     skipped: dict[str, str] = field(default_factory=dict)
@@ -72,6 +77,11 @@ class PrecisionPolicy:
     #: the plan applied (``plan=``), None without one
     plan: PrecisionPlan | None = field(default=None, repr=False)
     _removed: bool = field(default=False, repr=False)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model the policy was made for (None once nobody else holds it and it was freed)."""
+        return self._model()
 
     @property
     def fp8(self) -> dict[str, str]:
@@ -106,9 +116,10 @@ class PrecisionPolicy:
         return [name for name in self._reasons if not self._in_place(name)]
 
     def _in_place(self, name: str) -> bool:
-        module, _ = self._held.get(name, (None, None))
+        module_ref, _ = self._held.get(name, (None, None))
+        module, model = module_ref() if module_ref is not None else None, self._model()
         try:
-            return module is not None and self.model.get_submodule(name) is module
+            return module is not None and model is not None and model.get_submodule(name) is module
         except AttributeError:
             return False
 
@@ -119,7 +130,10 @@ class PrecisionPolicy:
         Each fp8 layer is replaced by its original Linear, holding the trained parameters."""
         for conversion in reversed(self._fp8):
             conversion.restore()
-        for module, wrapper in self._held.values():
+        for module_ref, wrapper_ref in self._held.values():
+            module, wrapper = module_ref(), wrapper_ref()
+            if module is None or wrapper is None:
+                continue  # freed: its hold ended with it
             wrapper.release(id(self))
             if not wrapper.holders and module.__dict__.get("forward") is wrapper:
                 if wrapper.previous is None:
@@ -131,7 +145,7 @@ class PrecisionPolicy:
 
     @property
     def active(self) -> bool:
-        return bool(self._held) or bool(self.fp8)
+        return any(module() is not None for module, _ in self._held.values()) or bool(self.fp8)
 
     def __enter__(self) -> PrecisionPolicy:
         return self
@@ -267,7 +281,7 @@ def precision_policy(
     if backend is not None:
         _say_what_autocast_would_do(chosen, backend)
     _refuse_fp8_layers(chosen)
-    policy = PrecisionPolicy(model, skipped=skipped, head_found_by=how, plan=plan)
+    policy = PrecisionPolicy(weakref.ref(model), skipped=skipped, head_found_by=how, plan=plan)
     if fp8_selectors is not None and fp8_backend is not None:
         policy._fp8 = [convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
                               backend=fp8_backend, float32={id(m) for m, _ in chosen.values()},
@@ -281,7 +295,7 @@ def precision_policy(
         if not isinstance(wrapper, Fp32Forward):  # else another policy's: held by this one too
             wrapper = module.forward = Fp32Forward(module, module.__dict__.get("forward"))
         wrapper.hold(id(policy), types)
-        policy._held[name] = (module, wrapper)
+        policy._held[name] = (weakref.ref(module), weakref.ref(wrapper))
         policy._reasons[name] = reason
     return policy
 

@@ -4,6 +4,7 @@ their conversion (all of them, or none on failure) and its undoing."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,9 +30,10 @@ _HEAD = "the head (the recipe keeps it out of fp8)"
 
 @dataclass
 class Fp8Conversion:
-    """The Linear layers a policy converted to fp8, and the ones it left, with why."""
+    """The Linear layers a policy converted to fp8, and the ones it left, with why. The model is held
+    weakly (:class:`~amp_backends.precision.policy.PrecisionPolicy` frees it with its user)."""
 
-    model: nn.Module
+    _model: weakref.ref = field(repr=False)
     recipe: str
     emulated: bool
     all_gather: bool = False
@@ -43,17 +45,24 @@ class Fp8Conversion:
     skipped: dict[str, str] = field(default_factory=dict)
 
     @property
+    def model(self) -> nn.Module | None:
+        """The model converted (None once it was freed)."""
+        return self._model()
+
+    @property
     def converted(self) -> dict[str, str]:
         """Qualified name -> why it runs in fp8, for the fp8 layers still in the model."""
-        return {name: self._reasons[name] for name, (_, layer) in self._layers.items()
-                if fp8.places(self.model, layer)}
+        model = self._model()
+        return {} if model is None else {name: self._reasons[name] for name, (_, layer) in self._layers.items()
+                                         if fp8.places(model, layer)}
 
     def restore(self) -> None:
         """Put each original Linear back where its fp8 layer is, holding the parameters the fp8 layer
         holds now (the trained ones, or those a wrapper such as FSDP2 put in place); with fp8 all-gather
         the very parameter objects the layer and any optimizer hold, plain again."""
-        for original, layer in self._layers.values():
-            if not fp8.places(self.model, layer):
+        model = self._model()
+        for original, layer in self._layers.values() if model is not None else ():
+            if not fp8.places(model, layer):
                 continue  # replaced since: not the policy's to undo
             for name, _ in list(original.named_parameters(remove_duplicate=False)):
                 owner, leaf = _owner(layer, name)
@@ -65,7 +74,7 @@ class Fp8Conversion:
                 if target._parameters.get(leaf) is not value:
                     setattr(target, leaf, value)
             carry_hooks(layer, original)
-            fp8.swap(self.model, layer, original)
+            fp8.swap(model, layer, original)
         self._layers.clear()
 
     def _give_back(self, name: str, value: Any) -> Any:
@@ -156,7 +165,7 @@ def convert(model: nn.Module, selectors: Sequence[Selector], *, recipe: str, emu
     nothing."""
     converters = dict(converters or {})
     plan, skipped = _plan(model, selectors, recipe, float32, head, example_inputs, converters)
-    conversion = Fp8Conversion(model, recipe, emulate, all_gather, skipped=skipped)
+    conversion = Fp8Conversion(weakref.ref(model), recipe, emulate, all_gather, skipped=skipped)
     if not plan:
         return conversion
     if all_gather:
