@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import json
 
 import pytest
 import torch
@@ -201,3 +202,72 @@ def test_the_llama_block_is_the_width_where_fp8_pays():
     loss = spec.loss_of(model, x, y)
     loss.backward()
     assert loss.item() > 0 and all(p.grad is not None for p in model.parameters())
+
+
+# -- bench/gpu_check.py ----------------------------------------------------------------------------
+def _gpu_check():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+@pytest.mark.filterwarnings("ignore::amp_backends.PerformanceWarning")
+def test_gpu_check_parts_run_and_one_failure_loses_nothing_else(tmp_path, monkeypatch):
+    """The GPU check's own parts at tiny sizes on a CPU: the memory and the time bench, their rows the
+    same measurement (the time bench's memory column is the memory part's for the same model, mode and
+    batch); a part that raises is recorded with its error and the parts after it still run; one past
+    its budget is stopped and recorded; the JSON is written after every part."""
+    gpu_check, _ = _gpu_check()
+    out = tmp_path / "check.json"
+
+    def broken(ctx, budget):
+        raise RuntimeError("a part that fails")
+
+    def endless(ctx, budget):
+        while True:
+            pass
+
+    monkeypatch.setitem(gpu_check.PARTS, "tests", broken)
+    monkeypatch.setitem(gpu_check.PARTS, "kernels", endless)
+    monkeypatch.setitem(gpu_check.BUDGETS, "kernels", (1.0, 1.0))
+    result = gpu_check.run(str(out), smoke=True, total=600, only=["tests", "memory", "bench", "kernels", "fp8"])
+    parts = result["parts"]
+    assert parts["tests"]["status"] == "error" and "a part that fails" in parts["tests"]["why"]
+    assert parts["kernels"]["status"] == "timeout" and parts["kernels"]["seconds"] <= parts["kernels"]["budget_s"] + 1
+    assert parts["memory"]["status"] == "ok" and parts["bench"]["status"] == "ok", parts
+    assert parts["fp8"]["status"] == "ok" and "no fp8 matmul" in parts["fp8"]["result"]["skipped"]
+    memory = {r["mode"]: r["peak_bytes"] for r in parts["memory"]["result"]["rows"]}
+    timed = {r["mode"]: r["peak_mem_bytes"] for r in parts["bench"]["result"]["rows"] if r["step_ms"]}
+    assert timed == {m: memory[m] for m in timed}
+    assert json.loads(out.read_text())["parts"].keys() == parts.keys()
+    h = result["header"]
+    assert h["torch"] == torch.__version__ and h["date"] and h["device"]
+    text = gpu_check.table(result)
+    assert "memory" in text and "timeout" in text and "mlp" in text
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_end_to_end_in_under_a_minute(tmp_path):
+    """``python bench/gpu_check.py --smoke``: one process, every part recorded (done, or stopped at its
+    budget), one JSON, a table, within its budget."""
+    import subprocess
+    import sys
+    import time
+
+    _, path = _gpu_check()
+    out = tmp_path / "gpu_check.json"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(path), "--smoke"], capture_output=True, text=True, timeout=180,
+                          env={**__import__("os").environ, "OUT": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert time.monotonic() - start < 90, "45 s of parts, and the interpreter's start"
+    data = json.loads(out.read_text())
+    assert list(data["parts"]) == ["tests", "memory", "bench", "kernels", "fp8", "scaler"]
+    assert all(p["status"] in ("ok", "timeout", "skipped") for p in data["parts"].values()), data["parts"]
+    assert data["total_s"] <= data["budget_s"] + 5
+    assert "part      status" in proc.stdout and data["header"]["device"] in proc.stdout

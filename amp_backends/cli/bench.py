@@ -336,9 +336,12 @@ def steps_per_round(be: Backend, step_s: float) -> int:
 
 def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str = "auto", rounds: int | None = None,
         warmup: int = 2, scale: float = 1.0, progress: bool = False, steps: int | None = None,
-        modes: Sequence[str] | None = None) -> dict[str, Any]:
+        modes: Sequence[str] | None = None,
+        memory_cache: dict[tuple[str, str, int, str], tuple[int, str]] | None = None) -> dict[str, Any]:
     """Measure every mode on every model; return the result as a JSON-ready dict. ``steps``: steps per
-    round (None: :func:`steps_per_round`); ``modes``: the modes to run (None: all; fp32 always runs)."""
+    round (None: :func:`steps_per_round`); ``modes``: the modes to run (None: all; fp32 always runs);
+    ``memory_cache``: (model, size, batch, mode) -> (peak bytes, kind) already measured alone by
+    ``bench --memory``'s :func:`~.bench_memory.measure_alone` (TF32 is read as fp32), not measured again."""
     be = get(backend)
     if size == "auto":
         size = "small" if be.device_type == "cpu" else "full"
@@ -359,6 +362,10 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
             def measure_memory(batch: int) -> dict[str, tuple[int, str]]:
                 memory = {}
                 for m in runnable:  # each mode alone: its own model and optimizer, nothing else alive
+                    known = (memory_cache or {}).get((name, size, batch, "fp32" if m.name == "tf32" else m.name))
+                    if known is not None:
+                        memory[m.name] = known
+                        continue
                     bar.start(f"{name}: peak memory of {m.name} alone")
                     memory[m.name] = memory_alone(be, name, size, batch, m)
                     _free(be)
