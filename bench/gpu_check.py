@@ -281,7 +281,7 @@ def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
         collections_seen: list[int] = []
         on_gc = lambda phase, info: collections_seen.append(info["generation"]) if phase == "start" else None  # noqa: E731
         per_step, syncs, gcs = [], [], []
-        timer, _ = bench._step_timer(be)
+        timer, _ = bench.step_timer(be)
         gc.callbacks.append(on_gc)
         try:
             for _ in range(steps):

@@ -109,7 +109,7 @@ def test_each_modes_memory_is_its_own_and_equals_bench_memorys():
 # -- rounds and verdicts ----------------------------------------------------------------------------
 def test_a_round_times_several_steps_and_their_mean():
     be = amp_backends.get("cpu")
-    timer, kind = bench._step_timer(be)
+    timer, kind = bench.step_timer(be)
     assert kind == "host clock between device syncs"
     calls = []
     per_step = timer(lambda: calls.append(1), 7)

@@ -38,12 +38,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import gc
-import math
 import json
 import platform
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -54,9 +51,18 @@ from ..backend import Backend
 from .bench_models import DEFAULT_MODELS, MODELS, Mode
 from ..errors import PerformanceWarning
 from ..memory.lean import memory_lean
-from ..memory.ledger import Ledger
 from ..registry.registry import get
-from .bench_memory import LEAN_HEADS, _sr_unavailable, measure_alone, peak_kind
+from .bench_measure import (
+    MAX_STEPS_PER_ROUND,
+    MIN_STEPS_PER_ROUND,
+    ROUND_SECONDS,
+    free,
+    memory_alone,
+    peak_memory,
+    step_timer,
+    steps_per_round,
+)
+from .bench_memory import LEAN_HEADS, _sr_unavailable, peak_kind
 from .bench_report import list_models, plot, render
 
 __all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "Mode", "memory_alone", "modes_for", "run", "recommend", "render",
@@ -68,10 +74,6 @@ HOST_BOUND_MS = 10.0
 EMULATED_ROUNDS = 2
 #: A ratio's interquartile range must clear 1 by this much for a verdict.
 MARGIN = 0.02
-#: On an accelerator each round times at least this long a run of steps of one mode...
-ROUND_SECONDS = 0.2
-#: ...and between these many steps.
-MIN_STEPS_PER_ROUND, MAX_STEPS_PER_ROUND = 3, 16
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -179,63 +181,6 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
     return amp_step
 
 
-def peak_memory(be: Backend, step: Callable[[], None]) -> tuple[int, str]:
-    """Peak bytes of one step whose model and optimizer are the only ones alive: the allocator's peak where
-    the device keeps one (after a first step has made the optimizer's state), else the ledger's (every
-    storage live at the step's peak)."""
-    step()  # the optimizer's state exists from here, as in every later step
-    be.synchronize()
-    be.reset_peak_memory_stats()
-    if be.max_memory_allocated() is not None:
-        step()
-        be.synchronize()
-        return int(be.max_memory_allocated() or 0), peak_kind(True)
-    model, optimizer = step.model, step.optimizer  # type: ignore[attr-defined]
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    masters = list(getattr(optimizer, "masters", {}).values())
-    params = list(model.parameters())
-    ledger = Ledger()
-    ledger.register([*model.buffers(), *state, *masters, *[p.grad for p in params if p.grad is not None]],
-                    params=params)
-    with ledger:
-        step()
-    return ledger.peak, peak_kind(False)
-
-
-def memory_alone(be: Backend, name: str, size: str, batch: int, mode: Mode) -> tuple[int, str]:
-    """Mode ``mode``'s peak training memory on bench model ``name``, with its own model and optimizer the
-    only ones alive: ``bench --memory``'s measurement of the same model, mode and batch
-    (:func:`~.bench_memory.measure_alone`: the allocator's peak on an accelerator, the ledger's on a CPU;
-    TF32 counted as fp32, whose storages it shares); the fp8 rows' steps built alone and measured the
-    same way."""
-    if mode.via in ("amp-fp8", "torchao-fp8", "fp8-baseline"):
-        from .bench_fp8 import make_fp8_steps
-
-        spec = MODELS[name]
-        torch.manual_seed(0)
-        model = spec.build(size).to(be.device())
-        data = spec.batch(size, be.device(), batch)
-        steps, _ = make_fp8_steps(be, model, spec.loss_of, data, modes=[mode.name])
-        del model
-        if mode.name not in steps:
-            return 0, "-"
-        try:
-            return peak_memory(be, steps[mode.name])
-        finally:
-            del steps
-            _free(be)
-    report, allocator = measure_alone(be, name, size, batch, "fp32" if mode.name == "tf32" else mode.name)
-    if allocator is not None:
-        return allocator, peak_kind(True)
-    return report.peak, peak_kind(False)
-
-
-def _free(be: Backend) -> None:
-    gc.collect()
-    if be.device_type != "cpu":
-        getattr(torch, be.device_type).empty_cache()
-
-
 def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
     ordered = sorted(values)
     if len(ordered) < 4:
@@ -298,42 +243,6 @@ def _fit(be: Backend, name: str, size: str, batch: int, make: Callable[[int], An
                 getattr(torch, be.device_type).empty_cache()
 
 
-def _step_timer(be: Backend) -> tuple[Callable[[Callable[[], None], int], float], str]:
-    """A timer of ``k`` consecutive steps (seconds per step): the device's events where it has them
-    (what ran on the device's stream between the first step's start and the last one's end), else the
-    host clock between device syncs."""
-    module = getattr(torch, be.device_type, None) if be.device_type != "cpu" else None
-    event = getattr(module, "Event", None)
-    if event is not None:
-        def by_events(step: Callable[[], None], k: int) -> float:
-            start, end = event(enable_timing=True), event(enable_timing=True)
-            start.record()
-            for _ in range(k):
-                step()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / k
-        return by_events, "device events"
-
-    def by_clock(step: Callable[[], None], k: int) -> float:
-        be.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(k):
-            step()
-        be.synchronize()
-        return (time.perf_counter() - t0) / k
-    return by_clock, "host clock between device syncs"
-
-
-def steps_per_round(be: Backend, step_s: float) -> int:
-    """Steps each round times on ``be`` for a step of ``step_s`` seconds: on an accelerator enough for
-    ``ROUND_SECONDS`` (launch jitter and a stray host stall spread over several steps), at most
-    ``MAX_STEPS_PER_ROUND``; on a CPU one (its small-size steps take tens of ms, and its runs stay short)."""
-    if be.device_type == "cpu" or step_s <= 0:
-        return 1
-    return max(MIN_STEPS_PER_ROUND, min(MAX_STEPS_PER_ROUND, math.ceil(ROUND_SECONDS / step_s)))
-
-
 def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str = "auto", rounds: int | None = None,
         warmup: int = 2, scale: float = 1.0, progress: bool = False, steps: int | None = None,
         modes: Sequence[str] | None = None,
@@ -351,7 +260,7 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
     runnable = [m for m in all_modes if m.unavailable is None]
     per_model = sum((rounds if m.native else min(rounds, EMULATED_ROUNDS)) + warmup + 1 for m in runnable)
     bar = _Progress(per_model * len(models), progress)
-    timer, timer_kind = _step_timer(be)
+    timer, timer_kind = step_timer(be)
     rows: list[dict[str, Any]] = []
     notes: dict[str, dict[str, Any]] = {}
     try:
@@ -368,7 +277,7 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                         continue
                     bar.start(f"{name}: peak memory of {m.name} alone")
                     memory[m.name] = memory_alone(be, name, size, batch, m)
-                    _free(be)
+                    free(be)
                 return memory
 
             def build(batch: int) -> Any:
@@ -413,7 +322,7 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                     bar.step()
             compiled = {n for n, st in steps_of.items() if getattr(st, "compiled", False)}
             del model, steps_of
-            _free(be)
+            free(be)
             rows += _rows(name, params, all_modes, times, memory, reasons, compiled)
             longest_ms = 1e3 * max(statistics.median(t) for t in times.values())
             notes[name] = {"batch": batch, "input": spec.shapes[size], "size": size, "steps_per_round": k,

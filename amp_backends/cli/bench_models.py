@@ -30,66 +30,20 @@ own through ``labels=``. The layer shapes and parameter counts are the same.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-@dataclass(frozen=True)
-class Mode:
-    """One way to run the training step."""
-
-    name: str
-    #: "full" (fp32, tf32), "amp" (through amp_backends), "torch" (raw torch.amp), "amp-fp8" or "torchao-fp8"
-    via: str
-    dtype: torch.dtype | None = None
-    native: bool = True
-    #: why the mode cannot run here (then it is listed, not measured)
-    unavailable: str | None = None
-
+from .bench_spec import SIZES, Mode, ModelSpec
+from .bench_spec import classify as _classify
+from .bench_spec import image_batch as _image_batch
+from .bench_spec import token_batch as _token_batch
+from .bench_thirdparty import THIRD_PARTY_MODELS, third_party_unavailable
 
 __all__ = ["DEFAULT_MODELS", "LLAMA_BLOCK", "Mode", "ModelSpec", "SIZES", "REAL_MODELS", "TOY_MODELS", "MODELS",
            "format_params", "model_unavailable", "param_count"]
-
-SIZES = ("full", "small")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """How to build one bench model and a batch for it, at a size."""
-
-    name: str
-    #: What it is, one line.
-    describe: str
-    #: size -> the model (on the current default device; ``meta`` for counting).
-    build: Callable[[str], nn.Module]
-    #: (size, device, batch or None for the size's own) -> (inputs, targets)
-    batch: Callable[[str, torch.device, int | None], tuple[torch.Tensor, torch.Tensor]]
-    #: The batch size of each size (what "real batch size" means for the model).
-    batch_sizes: dict[str, int]
-    #: What one input is, per size, as shown in the output ("224x224 images", "128 tokens").
-    shapes: dict[str, str]
-    #: torch.nn.functional loss of (output, targets).
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    #: The reference implementation's parameter count at full size (None for the toys).
-    reference_params: int | None = None
-    #: (model, inputs, targets) -> loss, for a model that computes its own loss (Transformers'
-    #: ``labels=``); None: ``loss(model(inputs), targets)``.
-    forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    #: The LM head's module name, for the lean mode's lazy logits (None: no LM head lever).
-    lm_head: str | None = None
-
-    def loss_of(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The training loss of ``model`` on one batch, as the model's users compute it."""
-        if self.forward_loss is not None:
-            return self.forward_loss(model, inputs, targets)
-        return self.loss(model(inputs), targets)
-
-
-def _classify(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), target.reshape(-1))
 
 
 # -- ResNet-50 ---------------------------------------------------------------------------------
@@ -264,25 +218,6 @@ class _Encoder(nn.Module):
         return self.head(self.encoder(self.embed(tokens)))
 
 
-def _image_batch(sides: dict[str, int], classes: int, sizes: dict[str, int]) -> Callable[..., Any]:
-    def make(size: str, device: torch.device, batch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = batch or sizes[size]
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(n, 3, sides[size], sides[size], generator=g)
-        return x.to(device), torch.randint(0, classes, (n,), generator=g).to(device)
-    return make
-
-
-def _token_batch(lengths: dict[str, int], vocab: dict[str, int], sizes: dict[str, int], targets: str) -> Callable[..., Any]:
-    def make(size: str, device: torch.device, batch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = batch or sizes[size]
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab[size], (n, lengths[size]), generator=g)
-        y = torch.randint(0, 2, (n,), generator=g) if targets == "class" else torch.roll(ids, -1, dims=1)
-        return ids.to(device), y.to(device)
-    return make
-
-
 _RESNET = {"full": dict(width=64), "small": dict(width=8, classes=100)}
 _BERT = {"full": dict(), "small": dict(width=128, layers=2, heads=2)}
 _GPT2 = {"full": dict(), "small": dict(vocab=8192, width=128, layers=2, heads=2, positions=256)}
@@ -371,7 +306,6 @@ TOY_MODELS: dict[str, ModelSpec] = {
                              {"full": "128 tokens", "small": "32 tokens"}, _classify),
 }
 
-from .bench_thirdparty import THIRD_PARTY_MODELS, third_party_unavailable  # noqa: E402 - needs ModelSpec
 
 #: Every bench model this installation can build.
 MODELS: dict[str, ModelSpec] = {**REAL_MODELS, **THIRD_PARTY_MODELS, "llama-block": LLAMA_BLOCK, **TOY_MODELS}

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bench_models import ModelSpec, _classify, _image_batch, _token_batch
+from .bench_spec import ModelSpec, classify, image_batch, token_batch
 
 __all__ = ["THIRD_PARTY_MODELS", "THIRD_PARTY_NAMES", "third_party_unavailable"]
 
@@ -79,7 +79,7 @@ def _next_token(out: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _classify_logits(out: Any, target: torch.Tensor) -> torch.Tensor:
-    return _classify(out.logits, target)
+    return classify(out.logits, target)
 
 
 def _labels_are_inputs(make: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,7 +94,7 @@ _ALL: dict[str, ModelSpec] = {
     "hf-gpt2": ModelSpec(
         "hf-gpt2", "Transformers' GPT2LMHeadModel (GPT2Config(), dropout 0.1), its own loss (labels=)",
         _gpt2,
-        _labels_are_inputs(_token_batch({"full": 512, "small": 64}, {"full": 50257, "small": 8192},
+        _labels_are_inputs(token_batch({"full": 512, "small": 64}, {"full": 50257, "small": 8192},
                                         {"full": 16, "small": 4}, "next")),
         {"full": 16, "small": 4},
         {"full": "512 tokens", "small": "64 tokens; config shrunk: width 128, 2 layers, vocabulary 8192"},
@@ -103,7 +103,7 @@ _ALL: dict[str, ModelSpec] = {
     "hf-bert": ModelSpec(
         "hf-bert", "Transformers' BertForSequenceClassification (BertConfig(), dropout 0.1), its own loss (labels=)",
         _bert,
-        _token_batch({"full": 128, "small": 64}, {"full": 30522, "small": 30522}, {"full": 64, "small": 8}, "class"),
+        token_batch({"full": 128, "small": 64}, {"full": 30522, "small": 30522}, {"full": 64, "small": 8}, "class"),
         {"full": 64, "small": 8},
         {"full": "128 tokens", "small": "64 tokens; config shrunk: width 128, 2 layers, feed-forward 512"},
         _classify_logits, reference_params=109_483_778, forward_loss=_labels,
@@ -111,10 +111,10 @@ _ALL: dict[str, ModelSpec] = {
     "tv-resnet50": ModelSpec(
         "tv-resnet50", "torchvision's resnet50(weights=None)",
         _resnet50,
-        _image_batch({"full": 224, "small": 64}, 100, {"full": 128, "small": 8}),
+        image_batch({"full": 224, "small": 64}, 100, {"full": 128, "small": 8}),
         {"full": 128, "small": 8},
         {"full": "224x224 images", "small": "64x64 images; one bottleneck per stage, 100 classes"},
-        _classify, reference_params=25_557_032,
+        classify, reference_params=25_557_032,
     ),
 }
 
