@@ -271,3 +271,16 @@ def test_gpu_check_smoke_end_to_end_in_under_a_minute(tmp_path):
     assert all(p["status"] in ("ok", "timeout", "skipped") for p in data["parts"].values()), data["parts"]
     assert data["total_s"] <= data["budget_s"] + 5
     assert "part      status" in proc.stdout and data["header"]["device"] in proc.stdout
+
+
+def test_a_library_model_asked_for_where_its_library_is_missing_is_refused_naming_it(capsys, monkeypatch):
+    from amp_backends.cli import bench_thirdparty
+    from amp_backends import cli
+
+    real = bench_thirdparty.importlib.util.find_spec
+    monkeypatch.setattr(bench_thirdparty.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchvision" else real(name, *a))
+    assert cli.main(["bench", "--models", "resnet50,tv-resnet50", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "tv-resnet50 needs torchvision, which is not installed (pip install torchvision)" in err
+    assert err.count("\n") == 1
