@@ -241,8 +241,11 @@ def part_fp8(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
 
 def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     """BERT's fp16 step through amp_backends and through torch.amp, each step timed alone (device
-    events), with its host syncs, garbage collections and ops dispatched: what an intermittent cost
-    of the adapter is, and which steps it hit."""
+    events), with its host syncs, garbage collections, the Triton kernel's block tables built (a table is
+    cached per set of gradient addresses: new addresses, a new table) and one step's ops dispatched:
+    first each mode's steps back to back, then the two interleaved as the time bench's rounds run them
+    (another mode's step between, which can move the caching allocator's blocks). What an intermittent
+    cost of the adapter is, and which steps it hit."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -257,6 +260,8 @@ def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     batch = 1 if ctx["smoke"] else spec.batch_sizes[size]
     steps = 2 if ctx["smoke"] else 40
     cuda = torch.cuda.is_available()
+    timer, _ = bench.step_timer(be)
+    tables = _TableCount()
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
@@ -267,7 +272,24 @@ def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
             self.ops[str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))
 
+    def timed(step: Callable[[], None], seen_gc: list[int]) -> dict[str, Any]:
+        before, built = len(seen_gc), tables.calls
+        with _sync_warnings(cuda) as warned:
+            ms = 1e3 * timer(step, 1)
+        return {"ms": ms, "syncs": len(warned) if cuda else None, "gc": len(seen_gc) - before,
+                "tables_built": tables.calls - built}
+
+    def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+        per = [r["ms"] for r in records]
+        slow = statistics.median(per) * 1.25
+        return {"step_ms": per, "median_ms": statistics.median(per), "max_ms": max(per),
+                "slow_steps": [i for i, t in enumerate(per) if t > slow],
+                "host_syncs_per_step": [r["syncs"] for r in records] if cuda else "n/a (CUDA's sync debug mode only)",
+                "gc_collections_per_step": [r["gc"] for r in records],
+                "triton_tables_built_per_step": [r["tables_built"] for r in records]}
+
     out: dict[str, Any] = {"model": name, "size": size, "batch": batch, "steps": steps}
+    made: dict[str, Callable[[], None]] = {}
     for mode_name in ("amp-float16", "torch-float16"):
         mode = next((m for m in bench.modes_for(be) if m.name == mode_name), None)
         if mode is None:
@@ -276,41 +298,59 @@ def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
         torch.manual_seed(0)
         model = spec.build(size).to(be.device())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        step = bench.make_step(be, model, opt, spec.loss_of, spec.batch(size, be.device(), batch), mode)
+        made[mode_name] = bench.make_step(be, model, opt, spec.loss_of, spec.batch(size, be.device(), batch), mode)
         for _ in range(1 if ctx["smoke"] else 3):
-            step()
-        collections_seen: list[int] = []
-        on_gc = lambda phase, info: collections_seen.append(info["generation"]) if phase == "start" else None  # noqa: E731
-        per_step, syncs, gcs = [], [], []
-        timer, _ = bench.step_timer(be)
-        gc.callbacks.append(on_gc)
-        try:
-            for _ in range(steps):
-                before = len(collections_seen)
-                with _sync_warnings(cuda) as warned:
-                    per_step.append(1e3 * timer(step, 1))
-                syncs.append(len(warned))
-                gcs.append(len(collections_seen) - before)
-        finally:
-            gc.callbacks.remove(on_gc)
-        counter = Ops()
-        with counter:
-            step()
-        slow = statistics.median(per_step) * 1.25
-        out[mode_name] = {
-            "step_ms": per_step, "median_ms": statistics.median(per_step), "max_ms": max(per_step),
-            "slow_steps": [i for i, t in enumerate(per_step) if t > slow],
-            "host_syncs_per_step": syncs if cuda else "n/a (CUDA's sync debug mode only)",
-            "gc_collections_per_step": gcs,
-            "local_scalar_dense_per_step": counter.ops["aten._local_scalar_dense"],
-            "ops_per_step": sum(counter.ops.values()),
-        }
-        del model, opt, step
-        gc.collect()
+            made[mode_name]()
+    seen_gc: list[int] = []
+    on_gc = lambda phase, info: seen_gc.append(info["generation"]) if phase == "start" else None  # noqa: E731
+    gc.callbacks.append(on_gc)
+    try:
+        for mode_name, step in made.items():  # back to back
+            out[mode_name] = summary([timed(step, seen_gc) for _ in range(steps)])
+            counter = Ops()
+            with counter:
+                step()
+            out[mode_name].update(local_scalar_dense_per_step=counter.ops["aten._local_scalar_dense"],
+                                  ops_per_step=sum(counter.ops.values()))
+        if len(made) == 2:  # interleaved, the order alternating round by round as the time bench's
+            records: dict[str, list[dict[str, Any]]] = {m: [] for m in made}
+            for r in range(steps // 2):
+                for mode_name in (list(made) if r % 2 == 0 else list(made)[::-1]):
+                    records[mode_name].append(timed(made[mode_name], seen_gc))
+            out["interleaved"] = {m: summary(v) for m, v in records.items()}
+    finally:
+        gc.callbacks.remove(on_gc)
+        tables.restore()
     amp, ref = out.get("amp-float16", {}), out.get("torch-float16", {})
     if "median_ms" in amp and "median_ms" in ref:
         out["overhead_median"] = amp["median_ms"] / ref["median_ms"]
+    inter = out.get("interleaved")
+    if inter:
+        out["overhead_median_interleaved"] = inter["amp-float16"]["median_ms"] / inter["torch-float16"]["median_ms"]
     return out
+
+
+class _TableCount:
+    """Counts the Triton kernel's block tables built (read-only instrumentation; nothing where the
+    plugin does not import)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._module: Any = None
+        try:
+            from amp_backends_plugins.triton import _kernels
+        except Exception:  # noqa: BLE001 - no Triton: nothing to count
+            return
+        self._module, self._real = _kernels, _kernels._table
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self._real(*args, **kwargs)
+        _kernels._table = counting
+
+    def restore(self) -> None:
+        if self._module is not None:
+            self._module._table = self._real
 
 
 @contextlib.contextmanager
@@ -422,8 +462,13 @@ def _summary(name: str, rec: dict[str, Any]) -> str:
         return "; ".join(f"{x['mode']} bf16/fp8 {x['speedup_vs_bf16']:.2f}x ({x['verdict']})" for x in r["rows"]
                          if x.get("speedup_vs_bf16") is not None)
     if name == "scaler":
-        parts = [f"{m} median {r[m]['median_ms']:.1f} ms max {r[m]['max_ms']:.1f} slow steps {r[m]['slow_steps']}"
+        parts = [f"{m} median {r[m]['median_ms']:.1f} ms max {r[m]['max_ms']:.1f} slow steps {r[m]['slow_steps']} "
+                 f"tables built {sum(r[m]['triton_tables_built_per_step'])}"
                  for m in ("amp-float16", "torch-float16") if "median_ms" in r.get(m, {})]
+        inter = r.get("interleaved", {}).get("amp-float16")
+        if inter:
+            parts.append(f"interleaved: amp median {inter['median_ms']:.1f} max {inter['max_ms']:.1f}, tables built "
+                         f"{sum(inter['triton_tables_built_per_step'])}; overhead {r['overhead_median_interleaved']:.3f}")
         return "; ".join(parts)
     return ""
 
