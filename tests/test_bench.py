@@ -88,6 +88,8 @@ def test_each_modes_memory_is_its_own_and_equals_bench_memorys():
     peak = {r["mode"]: r["peak_mem_bytes"] for r in many["rows"] if r["step_ms"] is not None}
     assert next(r for r in alone["rows"] if r["mode"] == "fp32")["peak_mem_bytes"] == peak["fp32"]
     batch = many["models"]["gpt2-small"]["batch"]
+    assert many["models"]["gpt2-small"]["overhead_iqr_width"] == 0.0, "one round: its range is a point"
+    assert alone["models"]["gpt2-small"]["overhead_iqr_width"] is None, "no torch.amp row, no overhead"
     ledger = {r["mode"]: r for r in memory_rows(be, ["gpt2-small"], size="small", scale=batch / 4,
                                                 modes=("amp-bfloat16", "lean-bf16"))}
     assert ledger["fp32"]["batch"] == batch
@@ -150,10 +152,11 @@ def test_overhead_has_its_range_and_fp8_gets_a_verdict_only_compiled():
         assert rec["fp8"]["compiled"] is bool(compiled)
     text = bench.render({"backend": "cpu", "device": "x", "torch": "t", "date": "d", "size": "full", "rounds": 5,
                          "emulated_rounds": 2, "warmup": 1, "timer": "device events", "memory": "allocator",
-                         "models": {"m": {"batch": 1, "input": "i", "steps_per_round": 4}},
+                         "models": {"m": {"batch": 1, "input": "i", "steps_per_round": 4, "overhead_iqr_width": 0.02}},
                          "rows": list(rows.values()), "recommendation": [rec]})
     assert "m amp-float16 1.000 [1.000-1.020]" in text and "steps per round: m 4" in text
     assert "fp8 (amp-fp8) 1.33x bf16's speed" in text
+    assert "widest interquartile range 0.020: resolves 2%" in text
 
 
 # -- the models users train ------------------------------------------------------------------------

@@ -16,8 +16,9 @@ interleaved round by round after warm-up, so that drift of the machine hits them
   matmuls, compiled as torchao documents (:mod:`amp_backends.cli.bench_fp8`); elsewhere the rows say why.
 
 Each round times several consecutive steps of one mode on an accelerator (``steps_per_round``:
-enough for ``ROUND_SECONDS``, with the device's events where it has them), one on a CPU; the
-default 20 rounds at full size give an interquartile range that resolves differences of 2%.
+enough for ``ROUND_SECONDS`` of them, timed by the device's events where it has them), one on a CPU; the
+default 20 rounds at full size are meant to give the overhead ratios an interquartile range narrower
+than 2% (``overhead_iqr_width`` per model says whether they did).
 Speedups are medians of per-round ratios (the modes of one round ran back to back), with the
 interquartile range of those ratios; a verdict ("faster", "slower") is given only when that
 range lies wholly on one side of 1 by ``MARGIN``, else "no clear difference". Where both a mode's step and
@@ -52,7 +53,7 @@ from .bench_models import DEFAULT_MODELS, MODELS, Mode
 from ..errors import PerformanceWarning
 from ..memory.lean import memory_lean
 from ..registry.registry import get
-from .bench_measure import (
+from .bench_measure import (  # noqa: F401 - the round's constants and peak_memory stay importable from here
     MAX_STEPS_PER_ROUND,
     MIN_STEPS_PER_ROUND,
     ROUND_SECONDS,
@@ -65,8 +66,9 @@ from .bench_measure import (
 from .bench_memory import LEAN_HEADS, _sr_unavailable, peak_kind
 from .bench_report import list_models, plot, render
 
-__all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "Mode", "memory_alone", "modes_for", "run", "recommend", "render",
-           "list_models", "steps_per_round"]
+__all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "MAX_STEPS_PER_ROUND", "MIN_STEPS_PER_ROUND", "Mode", "ROUND_SECONDS",
+           "memory_alone", "modes_for", "peak_memory", "run", "recommend", "render", "list_models", "step_timer",
+           "steps_per_round"]
 
 #: Steps shorter than this are launch- and host-bound: no speed verdict from them.
 HOST_BOUND_MS = 10.0
@@ -323,10 +325,14 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
             compiled = {n for n, st in steps_of.items() if getattr(st, "compiled", False)}
             del model, steps_of
             free(be)
-            rows += _rows(name, params, all_modes, times, memory, reasons, compiled)
+            mine = _rows(name, params, all_modes, times, memory, reasons, compiled)
+            rows += mine
             longest_ms = 1e3 * max(statistics.median(t) for t in times.values())
+            widths = [r["overhead_vs_torch_iqr"][1] - r["overhead_vs_torch_iqr"][0] for r in mine
+                      if r.get("overhead_vs_torch_iqr")]
             notes[name] = {"batch": batch, "input": spec.shapes[size], "size": size, "steps_per_round": k,
-                           "host_bound": longest_ms < HOST_BOUND_MS}
+                           "host_bound": longest_ms < HOST_BOUND_MS,
+                           "overhead_iqr_width": max(widths) if widths else None}
     finally:
         bar.close()
     fp32_ms = {r["model"]: r["step_ms"] for r in rows if r["mode"] == "fp32"}

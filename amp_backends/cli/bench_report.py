@@ -31,6 +31,15 @@ def _versus(r: dict[str, Any]) -> str:
     return ""
 
 
+def _resolution(result: dict[str, Any]) -> str:
+    """Whether the rounds resolved 2% in the overhead ratios (their widest interquartile range)."""
+    widths = [n["overhead_iqr_width"] for n in result["models"].values() if n.get("overhead_iqr_width") is not None]
+    if not widths:
+        return ""
+    widest = max(widths)
+    return f" (widest interquartile range {widest:.3f}: {'resolves' if widest <= 0.02 else 'does not resolve'} 2%)"
+
+
 def render(result: dict[str, Any]) -> str:
     table_rows = []
     for r in result["rows"]:
@@ -81,7 +90,7 @@ def render(result: dict[str, Any]) -> str:
         table,
         "",
         "Adapter overhead vs torch.amp (median step-time ratio [interquartile range]): "
-        + ("; ".join(overheads) if overheads else "not measured"),
+        + ("; ".join(overheads) if overheads else "not measured") + _resolution(result),
         "",
         "Recommendation (per model):",
         *advice,
