@@ -1,29 +1,37 @@
 """``amp-backends bench``: what AMP buys on this machine, per model, with its uncertainty.
 
-One training step (forward, loss, backward, AdamW) of each model is timed in every mode, the
-modes interleaved round by round after warm-up, so that drift of the machine hits them alike:
+Training steps (forward, loss, backward, AdamW) of each model are timed in every mode, the modes
+interleaved round by round after warm-up, so that drift of the machine hits them alike:
 
 - ``fp32``; ``tf32`` (fp32 with TF32 matmuls and convolutions, on CUDA compute capability 8.0+;
   elsewhere the row says n/a and why);
 - ``amp-<dtype>`` for each autocast dtype of the backend, through amp_backends (autocast and
   the backend's scaler);
 - ``torch-<dtype>``: the same step through raw ``torch.autocast`` + ``torch.amp.GradScaler``,
-  so ``overhead_vs_torch`` is the adapter's cost;
-- ``amp-fp8`` and ``torchao-fp8`` where the device has fp8 matmuls: the fp8 recipe's Linear layers in
-  fp8 under bf16 autocast, through a precision policy and through torchao directly
-  (``overhead_vs_torchao``); elsewhere the rows say why (:mod:`amp_backends.cli.bench_fp8`).
+  so ``overhead_vs_torch`` is the adapter's cost (median of per-round ratios, with its
+  interquartile range and full range);
+- ``lean-bf16`` (:func:`amp_backends.memory_lean`, fp32 masters) and, where torchao is installed and
+  on accelerators, ``lean-bf16-sr`` (torchao's AdamW rounding bf16 stochastically, no masters);
+- ``amp-fp8``, ``torchao-fp8`` and their baseline ``bf16-fp8-baseline`` where the device has fp8
+  matmuls, compiled as torchao documents (:mod:`amp_backends.cli.bench_fp8`); elsewhere the rows say why.
 
+Each round times several consecutive steps of one mode on an accelerator (``steps_per_round``:
+enough for ``ROUND_SECONDS`` of them, timed by the device's events where it has them), one on a CPU; the
+default 20 rounds at full size are meant to give the overhead ratios an interquartile range narrower
+than 2% (``overhead_iqr_width`` per model says whether they did).
 Speedups are medians of per-round ratios (the modes of one round ran back to back), with the
 interquartile range of those ratios; a verdict ("faster", "slower") is given only when that
-range lies wholly on one side of 1, else "no clear difference". Where both a mode's step and
+range lies wholly on one side of 1 by ``MARGIN``, else "no clear difference". Where both a mode's step and
 fp32's are shorter than ``HOST_BOUND_MS``, kernel launches and host work decide them, not the
 device's arithmetic: that row carries no verdict, and a model all of whose steps are that short
 gets no recommendation but a pointer to the real-size models. Dtypes the device emulates are measured in fewer rounds and labelled.
 
-Peak memory is the device allocator's peak where the device has one; on a CPU it is the ledger's
-(:mod:`amp_backends.memory.ledger`): every storage live at the step's peak, parameters, gradients and
-optimizer state included, counted through a real step at the measured size. ``--memory`` gives the
-ledger of each model at its full size and real batch, by part (:mod:`amp_backends.cli.bench_memory`).
+Peak memory is each mode's alone: before the timed rounds, every mode is built with its own model and
+optimizer, nothing else alive, and measured as ``bench --memory`` measures it
+(:func:`amp_backends.cli.bench_memory.measure_alone`): the allocator's peak (after a reset) where the
+device keeps one, on a CPU the ledger's (:mod:`amp_backends.memory.ledger`: every storage live at the
+step's peak, counted on fake tensors at the measured size). The savings and the recommendation's come
+from these figures. ``--memory`` gives the ledger of each model at its full size and real batch, by part.
 """
 
 from __future__ import annotations
@@ -34,7 +42,6 @@ import datetime
 import json
 import platform
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -42,17 +49,27 @@ from typing import Any
 import torch
 
 from ..backend import Backend
-from .bench_models import MODELS, REAL_MODELS, Mode
+from .bench_models import DEFAULT_MODELS, MODELS, Mode
 from ..errors import PerformanceWarning
 from ..memory.lean import memory_lean
-from ..memory.ledger import Ledger
 from ..registry.registry import get
-from .bench_memory import LEAN_HEADS
+from .bench_measure import (  # noqa: F401 - the round's constants and peak_memory stay importable from here
+    MAX_STEPS_PER_ROUND,
+    MIN_STEPS_PER_ROUND,
+    ROUND_SECONDS,
+    free,
+    memory_alone,
+    peak_memory,
+    step_timer,
+    steps_per_round,
+)
+from .bench_memory import LEAN_HEADS, _sr_unavailable, peak_kind
 from .bench_report import list_models, plot, render
 
-__all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "Mode", "modes_for", "run", "recommend", "render", "list_models"]
+__all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "MAX_STEPS_PER_ROUND", "MIN_STEPS_PER_ROUND", "Mode", "ROUND_SECONDS",
+           "memory_alone", "modes_for", "peak_memory", "run", "recommend", "render", "list_models", "step_timer",
+           "steps_per_round"]
 
-DEFAULT_MODELS = tuple(REAL_MODELS)
 #: Steps shorter than this are launch- and host-bound: no speed verdict from them.
 HOST_BOUND_MS = 10.0
 #: Rounds for a dtype the device emulates (many times slower than fp32): enough to show that.
@@ -78,7 +95,7 @@ def tf32_unavailable(be: Backend) -> str | None:
 
 
 def modes_for(be: Backend) -> list[Mode]:
-    """The modes this backend's device can run, and the TF32 row either way."""
+    """The modes this backend's device can run, and the TF32, stochastic-rounding and fp8 rows either way."""
     native = be.native_dtypes()
     modes = [Mode("fp32", "full"), Mode("tf32", "full", unavailable=tf32_unavailable(be))]
     for dtype in (torch.float16, torch.bfloat16):
@@ -86,12 +103,23 @@ def modes_for(be: Backend) -> list[Mode]:
             name = _dtype_name(dtype)
             modes += [Mode(f"amp-{name}", "amp", dtype, dtype in native), Mode(f"torch-{name}", "torch", dtype, dtype in native)]
     if torch.bfloat16 in be.supported_dtypes():
-        modes.append(Mode("lean-bf16", "lean", torch.bfloat16, torch.bfloat16 in native))
+        bf16 = torch.bfloat16 in native
+        modes.append(Mode("lean-bf16", "lean", torch.bfloat16, bf16))
+        modes.append(Mode("lean-bf16-sr", "lean-sr", torch.bfloat16, bf16, unavailable=sr_unavailable(be)))
     from .bench_fp8 import FP8_MODES, fp8_unavailable
 
     why_not = fp8_unavailable(be)
     modes += [Mode(name, via, torch.bfloat16, unavailable=why_not) for name, via in FP8_MODES]
     return modes
+
+
+def sr_unavailable(be: Backend) -> str | None:
+    """Why the time bench has no ``lean-bf16-sr`` row here, or None."""
+    why = _sr_unavailable()
+    if why is None and be.device_type == "cpu":
+        return ("torchao's AdamW compiles its update (inductor on a CPU takes minutes); "
+                "bench --memory counts this mode here")
+    return why
 
 
 @contextlib.contextmanager
@@ -107,10 +135,12 @@ def _tf32(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
-              batch: tuple[torch.Tensor, torch.Tensor], mode: Mode, lm_head: str | None = None) -> Callable[[], None]:
-    """One training step of ``model`` in ``mode`` (the model and optimizer are shared by the modes; the lean
-    mode trains a copy of its own, its weights bf16). The step carries its ``model`` and ``optimizer``."""
+def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
+              loss_of: Callable[[torch.nn.Module, Any, Any], torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor],
+              mode: Mode, lm_head: str | None = None) -> Callable[[], None]:
+    """One training step of ``model`` in ``mode`` (the model and optimizer are shared by the fp32, TF32,
+    AMP and torch.amp modes; the lean modes train a copy of their own, its weights bf16).
+    ``loss_of(model, inputs, targets)`` is the model's loss. The step carries its ``model`` and ``optimizer``."""
     x, y = batch
     if mode.via == "full":
         tf32 = mode.name == "tf32"
@@ -118,7 +148,7 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, l
         def full_step() -> None:
             with _tf32(tf32):
                 opt.zero_grad(set_to_none=True)
-                loss_fn(model(x), y).backward()
+                loss_of(model, x, y).backward()
                 opt.step()
         full_step.model, full_step.optimizer = model, opt  # type: ignore[attr-defined]
         return full_step
@@ -129,7 +159,13 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, l
         lean = memory_lean(net, torch.optim.AdamW(net.parameters(), lr=1e-5), backend=be, weights=torch.bfloat16,
                            lm_head=lm_head)
         optimizer = lean.optimizer
-    if mode.via in ("amp", "lean"):
+    elif mode.via == "lean-sr":
+        from torchao.optim import _AdamW
+
+        net = copy.deepcopy(model)
+        sr = _AdamW(net.parameters(), lr=1e-5, bf16_stochastic_round=True)
+        optimizer = memory_lean(net, sr, backend=be, weights=torch.bfloat16, master=False, lm_head=lm_head).optimizer
+    if mode.via in ("amp", "lean", "lean-sr"):
         scaler: Any = be.grad_scaler(mode.dtype)
         autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731
     else:
@@ -139,34 +175,12 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, l
     def amp_step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with autocast():
-            loss = loss_fn(net(x), y)
+            loss = loss_of(net, x, y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
     amp_step.model, amp_step.optimizer = net, optimizer  # type: ignore[attr-defined]
     return amp_step
-
-
-def peak_memory(be: Backend, step: Callable[[], None]) -> tuple[int, str]:
-    """Peak bytes of one step: the allocator's peak where the device keeps one, else the ledger's (every
-    storage live at the step's peak, the first step's optimizer state made before it)."""
-    be.synchronize()
-    be.reset_peak_memory_stats()
-    if be.max_memory_allocated() is not None:
-        step()
-        be.synchronize()
-        return int(be.max_memory_allocated() or 0), "allocator peak"
-    model, optimizer = step.model, step.optimizer  # type: ignore[attr-defined]
-    step()  # the optimizer's state exists from here, as in every later step
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    masters = list(getattr(optimizer, "masters", {}).values())
-    params = list(model.parameters())
-    ledger = Ledger()
-    ledger.register([*model.buffers(), *state, *masters, *[p.grad for p in params if p.grad is not None]],
-                    params=params)
-    with ledger:
-        step()
-    return ledger.peak, "ledger peak (every storage)"
 
 
 def _quartiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -232,17 +246,23 @@ def _fit(be: Backend, name: str, size: str, batch: int, make: Callable[[int], An
 
 
 def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str = "auto", rounds: int | None = None,
-        warmup: int = 2, scale: float = 1.0, progress: bool = False) -> dict[str, Any]:
-    """Measure every mode on every model; return the result as a JSON-ready dict."""
+        warmup: int = 2, scale: float = 1.0, progress: bool = False, steps: int | None = None,
+        modes: Sequence[str] | None = None,
+        memory_cache: dict[tuple[str, str, int, str], tuple[int, str]] | None = None) -> dict[str, Any]:
+    """Measure every mode on every model; return the result as a JSON-ready dict. ``steps``: steps per
+    round (None: :func:`steps_per_round`); ``modes``: the modes to run (None: all; fp32 always runs);
+    ``memory_cache``: (model, size, batch, mode) -> (peak bytes, kind) already measured alone by
+    ``bench --memory``'s :func:`~.bench_memory.measure_alone` (TF32 is read as fp32), not measured again."""
     be = get(backend)
     if size == "auto":
         size = "small" if be.device_type == "cpu" else "full"
     if rounds is None:
         rounds = 5 if size == "small" else 20
-    modes = modes_for(be)
-    runnable = [m for m in modes if m.unavailable is None]
+    all_modes = [m for m in modes_for(be) if modes is None or m.name == "fp32" or m.name in modes]
+    runnable = [m for m in all_modes if m.unavailable is None]
     per_model = sum((rounds if m.native else min(rounds, EMULATED_ROUNDS)) + warmup + 1 for m in runnable)
     bar = _Progress(per_model * len(models), progress)
+    timer, timer_kind = step_timer(be)
     rows: list[dict[str, Any]] = []
     notes: dict[str, dict[str, Any]] = {}
     try:
@@ -250,36 +270,49 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
             spec = MODELS[name]
             target = max(1, round(spec.batch_sizes[size] * scale))
 
+            def measure_memory(batch: int) -> dict[str, tuple[int, str]]:
+                memory = {}
+                for m in runnable:  # each mode alone: its own model and optimizer, nothing else alive
+                    known = (memory_cache or {}).get((name, size, batch, "fp32" if m.name == "tf32" else m.name))
+                    if known is not None:
+                        memory[m.name] = known
+                        continue
+                    bar.start(f"{name}: peak memory of {m.name} alone")
+                    memory[m.name] = memory_alone(be, name, size, batch, m)
+                    free(be)
+                return memory
+
             def build(batch: int) -> Any:
+                memory = measure_memory(batch)
                 torch.manual_seed(0)
                 model = spec.build(size).to(be.device())
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 data = spec.batch(size, be.device(), batch)
-                steps = {m.name: make_step(be, model, opt, spec.loss, data, m, LEAN_HEADS.get(name))
-                         for m in runnable if not _fp8(m)}
+                steps_of = {m.name: make_step(be, model, opt, spec.loss_of, data, m, LEAN_HEADS.get(name))
+                            for m in runnable if not _fp8(m)}
                 reasons = {}
                 if any(_fp8(m) for m in runnable):
                     from .bench_fp8 import make_fp8_steps
 
-                    fp8_steps, why_not = make_fp8_steps(be, model, spec.loss, data)
-                    steps.update(fp8_steps)
+                    fp8_steps, why_not = make_fp8_steps(be, model, spec.loss_of, data,
+                                                        modes=[m.name for m in runnable if _fp8(m)])
+                    steps_of.update(fp8_steps)
                     reasons.update({m.name: why_not for m in runnable if _fp8(m) and why_not})
-                bar.start(f"{name}: peak memory")
-                memory = {}
                 for m in runnable:
-                    if m.name in steps:
-                        memory[m.name] = peak_memory(be, steps[m.name])
                     bar.step()
-                return model, steps, memory, reasons
+                return model, steps_of, {k: v for k, v in memory.items() if k in steps_of}, reasons
 
-            (model, steps, memory, reasons), batch = _fit(be, name, size, target, build)
-            active = [m for m in runnable if m.name in steps]
+            (model, steps_of, memory, reasons), batch = _fit(be, name, size, target, build)
+            active = [m for m in runnable if m.name in steps_of]
             params = sum(p.numel() for p in model.parameters())
             bar.start(f"{name}: warm-up")
+            warm_s = 0.0
             for m in active:
                 for _ in range(warmup):
-                    steps[m.name]()
+                    t = timer(steps_of[m.name], 1)
+                    warm_s = t if m.name == "fp32" else warm_s
                     bar.step()
+            k = steps if steps is not None else steps_per_round(be, warm_s)
             times: dict[str, list[float]] = {m.name: [] for m in active}
             for r in range(rounds):
                 bar.start(f"{name}: round {r + 1}/{rounds}")
@@ -287,17 +320,19 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                 for m in order:
                     if not m.native and r >= EMULATED_ROUNDS:
                         continue  # emulated: measured briefly, labelled
-                    be.synchronize()
-                    t0 = time.perf_counter()
-                    steps[m.name]()
-                    be.synchronize()
-                    times[m.name].append(time.perf_counter() - t0)
+                    times[m.name].append(timer(steps_of[m.name], 1 if not m.native else k))
                     bar.step()
-            del model, steps
-            rows += _rows(name, params, modes, times, memory, reasons)
+            compiled = {n for n, st in steps_of.items() if getattr(st, "compiled", False)}
+            del model, steps_of
+            free(be)
+            mine = _rows(name, params, all_modes, times, memory, reasons, compiled)
+            rows += mine
             longest_ms = 1e3 * max(statistics.median(t) for t in times.values())
-            notes[name] = {"batch": batch, "input": spec.shapes[size], "size": size,
-                           "host_bound": longest_ms < HOST_BOUND_MS}
+            widths = [r["overhead_vs_torch_iqr"][1] - r["overhead_vs_torch_iqr"][0] for r in mine
+                      if r.get("overhead_vs_torch_iqr")]
+            notes[name] = {"batch": batch, "input": spec.shapes[size], "size": size, "steps_per_round": k,
+                           "host_bound": longest_ms < HOST_BOUND_MS,
+                           "overhead_iqr_width": max(widths) if widths else None}
     finally:
         bar.close()
     fp32_ms = {r["model"]: r["step_ms"] for r in rows if r["mode"] == "fp32"}
@@ -317,6 +352,9 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
         "rounds": rounds,
         "emulated_rounds": EMULATED_ROUNDS,
         "warmup": warmup,
+        "timer": timer_kind,
+        "memory": "each mode alone (its own model and optimizer; bench --memory's measurement of the same "
+                  f"model, mode and batch): {peak_kind(be.max_memory_allocated() is not None)}",
         "models": notes,
         "rows": rows,
         "recommendation": recommend(rows, notes),
@@ -324,11 +362,18 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
 
 
 def _fp8(mode: Mode) -> bool:
-    return mode.via in ("amp-fp8", "torchao-fp8")
+    return mode.via in ("amp-fp8", "torchao-fp8", "fp8-baseline")
+
+
+def _iqr(ratios: Sequence[float]) -> dict[str, Any]:
+    """A ratio's median, interquartile range and full range over the rounds."""
+    low, mid, high = _quartiles(ratios)
+    return {"median": mid, "iqr": [low, high], "range": [min(ratios), max(ratios)]}
 
 
 def _rows(model: str, params: int, modes: list[Mode], times: dict[str, list[float]],
-          memory: dict[str, tuple[int, str]], reasons: dict[str, str] | None = None) -> list[dict[str, Any]]:
+          memory: dict[str, tuple[int, str]], reasons: dict[str, str] | None = None,
+          compiled: set[str] | frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     fp32 = times["fp32"]
     full = [m.name for m in modes if m.via == "full" and m.name in times]
     best_full = min(full, key=lambda n: statistics.median(times[n]))
@@ -361,11 +406,23 @@ def _rows(model: str, params: int, modes: list[Mode], times: dict[str, list[floa
         if m.via == "amp":
             theirs = times.get(f"torch-{_dtype_name(m.dtype)}")
             if theirs:
-                row["overhead_vs_torch"] = statistics.median(_ratios(t, theirs))
-        if m.via == "lean" and times.get(f"amp-{_dtype_name(m.dtype)}"):
+                over = _iqr(_ratios(t, theirs))
+                row.update(overhead_vs_torch=over["median"], overhead_vs_torch_iqr=over["iqr"],
+                           overhead_vs_torch_range=over["range"])
+        if m.via in ("lean", "lean-sr") and times.get(f"amp-{_dtype_name(m.dtype)}"):
             row["vs_amp"] = statistics.median(_ratios(t, times[f"amp-{_dtype_name(m.dtype)}"]))
+        if _fp8(m):
+            row["compiled"] = m.name in compiled
+            if m.via == "fp8-baseline":
+                row["verdict"] = "the fp8 rows' baseline"
+            elif times.get("bf16-fp8-baseline"):
+                fp8_speed = _iqr(_ratios(times["bf16-fp8-baseline"], t))
+                row.update(speedup_vs_bf16=fp8_speed["median"], speedup_vs_bf16_iqr=fp8_speed["iqr"])
+                row["verdict"] = (verdict(*fp8_speed["iqr"]) + " than bf16 (both compiled)" if row["compiled"]
+                                  else "eager: no fp8 verdict (torchao's fp8 is measured compiled)")
         if m.via == "amp-fp8" and times.get("torchao-fp8"):
-            row["overhead_vs_torchao"] = statistics.median(_ratios(t, times["torchao-fp8"]))
+            over = _iqr(_ratios(t, times["torchao-fp8"]))
+            row.update(overhead_vs_torchao=over["median"], overhead_vs_torchao_iqr=over["iqr"])
         rows.append(row)
     return rows
 
@@ -376,7 +433,7 @@ def recommend(rows: list[dict[str, Any]], notes: dict[str, dict[str, Any]] | Non
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model and r.get("step_ms") is not None
-                and r["via"] not in ("torch", "torchao-fp8")]
+                and r["via"] not in ("torch", "amp-fp8", "torchao-fp8", "fp8-baseline")]
         ranked = sorted(mine, key=lambda r: r["step_ms"])
         best, runner = ranked[0], (ranked[1] if len(ranked) > 1 else None)
         host_bound = bool((notes or {}).get(model, {}).get("host_bound"))
@@ -396,8 +453,19 @@ def recommend(rows: list[dict[str, Any]], notes: dict[str, dict[str, Any]] | Non
             "why": why,
             "peak_mem_bytes": {r["mode"]: r["peak_mem_bytes"] for r in mine},
             "mem_saving_pct": {r["mode"]: r["mem_saving_pct"] for r in mine if r["mode"] != "fp32"},
+            **_fp8_advice(rows, model),
         })
     return out
+
+
+def _fp8_advice(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    """The fp8 line of a model's recommendation: fp8 through amp_backends against bf16, both compiled,
+    where that was measured (eager fp8 rows give none)."""
+    row = next((r for r in rows if r["model"] == model and r["mode"] == "amp-fp8" and r.get("speedup_vs_bf16")), None)
+    if row is None:
+        return {}
+    return {"fp8": {"speedup_vs_bf16": row["speedup_vs_bf16"], "iqr": row["speedup_vs_bf16_iqr"],
+                    "compiled": row["compiled"], "verdict": row["verdict"]}}
 
 
 def _clearly_faster(best: dict[str, Any], runner: dict[str, Any]) -> bool:
@@ -408,11 +476,11 @@ def _clearly_faster(best: dict[str, Any], runner: dict[str, Any]) -> bool:
 
 
 def main(backend: str | None, models: Sequence[str], size: str, rounds: int | None, warmup: int, scale: float,
-         as_json: bool, plot_path: str | None) -> int:
+         as_json: bool, plot_path: str | None, steps: int | None = None) -> int:
     """Run and print the bench (the CLI has checked the arguments)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PerformanceWarning)  # the table says which dtypes are native
-        result = run(backend, models, size, rounds, warmup, scale, progress=True)
+        result = run(backend, models, size, rounds, warmup, scale, progress=True, steps=steps)
     if plot_path:
         plot(result, plot_path)
     print(json.dumps(result, indent=2) if as_json else render(result))

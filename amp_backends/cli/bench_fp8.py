@@ -1,7 +1,15 @@
 """The bench's fp8 modes: the training step with the fp8 recipe's Linear layers in fp8 under bf16
 autocast, through a precision policy (``amp-fp8``) and through torchao called directly
-(``torchao-fp8``) on the same layers, so the policy's cost is a ratio measured in the same run.
-Where the device has no fp8 matmul (or torchao is missing), the rows say why, as TF32's do."""
+(``torchao-fp8``) on the same layers, so the policy's cost is a ratio measured in the same run; and
+``bf16-fp8-baseline``, the same model under bf16 autocast alone, which the fp8 rows are compared with.
+
+torchao documents float8 training under ``torch.compile`` (eager, its scaling and casts are separate
+kernels that cost more than the fp8 matmul saves): on accelerators all three models are compiled the
+same way (``torch.compile(model)``, the loss and optimizer eager), and only compiled rows give an fp8
+verdict. Eager rows (a CPU, where inductor would take minutes per model) are measured and labelled,
+with no verdict. fp8 pays at layer widths of a few thousand (the ``llama-block`` bench model); the
+recipe leaves smaller layers out. Where the device has no fp8 matmul (or torchao is missing), the rows
+say why, as TF32's do."""
 
 from __future__ import annotations
 
@@ -18,10 +26,12 @@ from ..precision.selectors import RECIPE as PRESET
 if TYPE_CHECKING:
     from ..backend import Backend
 
-__all__ = ["FP8_MODES", "fp8_unavailable", "make_fp8_steps"]
+__all__ = ["COMPILE", "FP8_MODES", "compiled", "fp8_unavailable", "make_fp8_steps"]
 
 #: (mode name, how it runs)
-FP8_MODES = (("amp-fp8", "amp-fp8"), ("torchao-fp8", "torchao-fp8"))
+FP8_MODES = (("amp-fp8", "amp-fp8"), ("torchao-fp8", "torchao-fp8"), ("bf16-fp8-baseline", "fp8-baseline"))
+#: Whether the fp8 rows are compiled: None compiles on accelerators (as torchao documents), not on a CPU.
+COMPILE: bool | None = None
 RECIPE = "tensorwise"
 #: the layers converted: the recipe's choice (what the project recommends)
 SELECTION: Any = PRESET
@@ -36,10 +46,17 @@ def fp8_unavailable(be: Backend) -> str | None:
     return fp8.unavailable_reason()
 
 
-def make_fp8_steps(be: Backend, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
-                   batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[dict[str, Callable[[], None]], str | None]:
-    """The two fp8 steps on copies of ``model`` (each with its own AdamW), or why this model has no
-    layer the recipe converts."""
+def compiled(be: Backend) -> bool:
+    """Whether this backend's fp8 rows (and their bf16 baseline) run compiled."""
+    return COMPILE if COMPILE is not None else be.device_type != "cpu"
+
+
+def make_fp8_steps(be: Backend, model: nn.Module, loss_of: Callable[[nn.Module, Any, Any], torch.Tensor],
+                   batch: tuple[torch.Tensor, torch.Tensor], modes: Any = None
+                   ) -> tuple[dict[str, Callable[[], None]], str | None]:
+    """The fp8 steps and their bf16 baseline on copies of ``model`` (each with its own AdamW; ``modes``:
+    the names wanted, None for all), compiled where :func:`compiled` says, or why this model has no
+    layer the recipe converts. ``loss_of(model, inputs, targets)`` is the model's loss."""
     from ..precision.policy import precision_policy
 
     x, y = batch
@@ -50,23 +67,34 @@ def make_fp8_steps(be: Backend, model: nn.Module, loss_fn: Callable[..., torch.T
         policy.remove()
         return {}, (f"no Linear layer of this model passes the {RECIPE} recipe (first and last layers, dimensions "
                     "not multiples of 16, layers below torchao's break-even stay out)")
-    theirs = copy.deepcopy(model)
-    fp8.engine().convert_to_float8_training(theirs, config=fp8.config(RECIPE, False),
-                                            module_filter_fn=lambda module, fqn: fqn in chosen)
+    wanted = {name for name, _ in FP8_MODES} if modes is None else set(modes)
+    compile_them = compiled(be)
 
     def step_of(net: nn.Module, autocast: Callable[[], Any]) -> Callable[[], None]:
         opt = torch.optim.AdamW(net.parameters(), lr=1e-5)
+        run = torch.compile(net) if compile_them else net
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
             with autocast():
-                loss = loss_fn(net(x), y)
+                loss = loss_of(run, x, y)
             loss.backward()
             opt.step()
         step.model, step.optimizer = net, opt  # type: ignore[attr-defined]  # what the ledger classifies
+        step.compiled = compile_them  # type: ignore[attr-defined]
         return step
 
-    return {
-        "amp-fp8": step_of(ours, lambda: be.autocast(torch.bfloat16)),
-        "torchao-fp8": step_of(theirs, lambda: torch.autocast(be.device_type, dtype=torch.bfloat16)),
-    }, None
+    torch_bf16 = lambda: torch.autocast(be.device_type, dtype=torch.bfloat16)  # noqa: E731
+    steps: dict[str, Callable[[], None]] = {}
+    if "amp-fp8" in wanted:
+        steps["amp-fp8"] = step_of(ours, lambda: be.autocast(torch.bfloat16))
+    else:
+        policy.remove()
+    if "torchao-fp8" in wanted:
+        theirs = copy.deepcopy(model)
+        fp8.engine().convert_to_float8_training(theirs, config=fp8.config(RECIPE, False),
+                                                module_filter_fn=lambda module, fqn: fqn in chosen)
+        steps["torchao-fp8"] = step_of(theirs, torch_bf16)
+    if "bf16-fp8-baseline" in wanted:
+        steps["bf16-fp8-baseline"] = step_of(copy.deepcopy(model), torch_bf16)
+    return steps, None

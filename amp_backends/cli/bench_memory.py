@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import importlib.util
 import json
 import warnings
@@ -30,13 +31,13 @@ from ..errors import PerformanceWarning
 from ..memory.compile_once import compile_once
 from ..memory.fake import Setup, measure, on_meta_then_fake
 from ..memory.lean import memory_lean
-from ..memory.ledger import PARTS, Ledger
+from ..memory.ledger import PARTS, Ledger, MemoryReport
 from .bench_models import MODELS
 
-__all__ = ["LEAN_HEADS", "ledger_modes", "loss_after", "main", "memory_rows", "render_memory", "setup_for"]
+__all__ = ["LEAN_HEADS", "ledger_modes", "loss_after", "main", "measure_alone", "peak_kind", "memory_rows", "render_memory", "setup_for"]
 
 #: The LM head of a bench model, where it has one (its logits are the largest tensors of the step).
-LEAN_HEADS = {"gpt2-small": "head"}
+LEAN_HEADS = {name: spec.lm_head for name, spec in MODELS.items() if spec.lm_head}
 
 
 def _sr_unavailable() -> str | None:
@@ -83,7 +84,8 @@ def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *
         torch.manual_seed(0)
         model = on_meta_then_fake(lambda: spec.build(size)) if fake else spec.build(size).to(device)
         x, y = spec.batch(size, device, batch)
-        dtype = torch.float16 if mode == "amp-float16" else torch.bfloat16
+        dtype = torch.float16 if mode.endswith("-float16") else torch.bfloat16
+        through_torch = mode.startswith("torch-")  # raw torch.autocast and torch.amp.GradScaler
         master: Callable[[], list[torch.Tensor]] = list
         if mode == "lean-bf16-sr":
             from torchao.optim import _AdamW
@@ -99,12 +101,21 @@ def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *
                 opt, master = lean.optimizer, (lambda: list(lean._masters.values()))
         # a fake step cannot make the scaler's decision (a host read of found_inf): it is counted as a step
         # that runs; the scaler's own tensors are a few bytes, its unscale works in place
-        scaler = be.grad_scaler(dtype) if mode != "fp32" and not fake else None
+        full = mode in ("fp32", "tf32")
+        scaler: Any = None
+        if not full and not fake:
+            scaler = (torch.amp.GradScaler(be.device_type, enabled=dtype == torch.float16) if through_torch
+                      else be.grad_scaler(dtype))
+
+        def autocast() -> Any:
+            if through_torch:
+                return torch.autocast(be.device_type, dtype=dtype)
+            return be.autocast(dtype, enabled=not full)
 
         def step(ledger: Ledger) -> None:
             opt.zero_grad(set_to_none=True)
-            with ledger.phase("forward"), be.autocast(dtype, enabled=mode != "fp32"):
-                loss = spec.loss(model(x), y)
+            with ledger.phase("forward"), autocast():
+                loss = spec.loss_of(model, x, y)
             with ledger.phase("backward"):
                 (scaler.scale(loss) if scaler is not None else loss).backward()
             with ledger.phase("optimizer"):
@@ -117,6 +128,32 @@ def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *
         return Setup(model, opt, step, inputs=(x, y), master=master)
 
     return make
+
+
+def peak_kind(allocator: bool) -> str:
+    """What a peak figure is: the allocator's (accelerators) or the ledger's (CPUs)."""
+    return "allocator peak (this mode alone)" if allocator else "ledger peak (every storage; this mode alone)"
+
+
+def measure_alone(be: Backend, name: str, size: str, batch: int | None, mode: str) -> tuple[MemoryReport, int | None]:
+    """The ledger of one training step of bench model ``name`` in ``mode``, with that mode's own model
+    and optimizer the only ones alive (on fake tensors on a CPU, for real on an accelerator), and on an
+    accelerator the allocator's peak over the counted steps (None on a CPU). Everything the steps made
+    is freed before it returns."""
+    fake = be.device_type == "cpu"
+    allocator = None
+    gc.collect()
+    if not fake:
+        getattr(torch, be.device_type).empty_cache()
+        be.synchronize()
+        be.reset_peak_memory_stats()
+    with _eager_torchao() if mode.endswith("-sr") and fake else contextlib.nullcontext():
+        report = measure(setup_for(be, name, size, batch, mode, fake=fake), fake=fake)
+    if not fake:
+        be.synchronize()
+        allocator = be.max_memory_allocated()
+    gc.collect()
+    return report, allocator
 
 
 def memory_rows(be: Backend, models: Sequence[str], size: str = "full", scale: float = 1.0,
@@ -137,22 +174,16 @@ def memory_rows(be: Backend, models: Sequence[str], size: str = "full", scale: f
             if why_not is not None:
                 rows.append({**row, "memory": None, "saving_vs_fp32": None, "unavailable": why_not})
                 continue
-            allocator = None
-            if not fake:
-                be.synchronize()
-                be.reset_peak_memory_stats()
-            with _eager_torchao() if mode.endswith("-sr") and fake else contextlib.nullcontext():
-                report = measure(setup_for(be, name, size, batch, mode, fake=fake), fake=fake)
-            if not fake:
-                be.synchronize()
-                allocator = be.max_memory_allocated()
-            fp32_peak = report.peak if mode == "fp32" else fp32_peak
+            report, allocator = measure_alone(be, name, size, batch, mode)
+            peak = report.peak if allocator is None else allocator  # the allocator's, where the device keeps one
+            fp32_peak = peak if mode == "fp32" else fp32_peak
             memory = {k: report.parts[k] for k in PARTS if k != "other"}
             memory.update(other=report.parts["other"], peak=report.peak,
                           activations_by_dtype=report.activations_by_dtype, peak_phase=report.phase)
             if allocator is not None:
                 memory["allocator_peak"] = allocator
-            row.update(memory=memory, saving_vs_fp32=(1 - report.peak / fp32_peak) if fp32_peak else None)
+            row.update(memory=memory, peak_bytes=peak, peak_kind=peak_kind(allocator is not None),
+                       saving_vs_fp32=(1 - peak / fp32_peak) if fp32_peak else None)
             rows.append(row)
     return rows
 
@@ -168,7 +199,7 @@ def loss_after(be: Backend, name: str, mode: str, steps: int, lr: float = 1e-3) 
             setup.step(ledger)
         with torch.no_grad(), be.autocast(torch.bfloat16, enabled=mode != "fp32"):
             x, y = setup.inputs
-            return float(spec.loss(setup.model(x), y).float())
+            return float(spec.loss_of(setup.model, x, y).float())
 
 
 def _mib(n: int | None) -> str:
@@ -185,19 +216,21 @@ def render_memory(result: dict[str, Any]) -> str:
             continue
         low = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(m["activations_by_dtype"].items()))
         loss = r.get("loss")
-        rows.append([r["model"], r["mode"], _mib(m["peak"]), "" if r["mode"] == "fp32" else f"{-100 * r['saving_vs_fp32']:+.1f}%",
+        rows.append([r["model"], r["mode"], _mib(r.get("peak_bytes", m["peak"])), "" if r["mode"] == "fp32" else f"{-100 * r['saving_vs_fp32']:+.1f}%",
                      _mib(m["parameters"]), _mib(m["gradients"]), _mib(m["optimizer"]), _mib(m["master"]),
                      _mib(m["weight_copies"]), f"{_mib(m['activations'])} ({low})" if low else _mib(m["activations"]),
                      _mib(m["other"]) + (f"; loss {loss:.4g}" if loss is not None else "")])
     table = render_table(["model", "mode", "peak MiB", "vs fp32", "params", "grads", "optimizer", "masters",
                           "weight copies", "activations (by dtype)", "other; loss"], rows, markdown=True,
                          right=(2, 3, 4, 5, 6, 7, 8))
+    kinds = ", ".join(dict.fromkeys(r["peak_kind"] for r in result["rows"] if r.get("peak_kind"))) or "-"
     sizes = ", ".join(dict.fromkeys(f"{r['model']} batch {r['batch']} x {r['input']}" for r in result["rows"]))
     loss = (f"loss after {result['loss_steps']} AdamW steps (lr {result['loss_lr']:g}) at small size on the bench's data"
             if result["loss_steps"] else "no loss measured (--loss-steps 0)")
     return "\n".join([
         f"amp-backends bench --memory: backend {result['backend']}, torch {result['torch']}, {result['date']}",
-        f"{result['size']} size: {sizes}; counted: {result['counted']}; MiB at the step's peak, by part",
+        f"{result['size']} size: {sizes}; counted: {result['counted']}; MiB at the step's peak, by part; "
+        f"peak: {kinds}",
         f"{loss}",
         "",
         table,

@@ -8,63 +8,42 @@
 - ``gpt2-small``: GPT-2 small (vocabulary 50257, 1024 positions, 12 pre-norm causal layers of
   width 768, LM head tied to the token embedding), 124,439,808 parameters;
 
-and three toys kept from earlier releases (``mlp``, ``cnn``, ``transformer``). Each model has a
+- ``llama-block``: two Llama-style decoder blocks (RMSNorm, rotary-free causal attention through
+  ``F.scaled_dot_product_attention``, SwiGLU MLP 11008) of width 4096 on 1024 tokens, the width at
+  which fp8 matmuls pay (the fp8 rows' model; not in the default set), 404,770,816 parameters;
+
+the models users train, where their libraries are installed (:mod:`.bench_thirdparty`: Transformers'
+``hf-gpt2`` and ``hf-bert``, torchvision's ``tv-resnet50``, at their default configurations, dropout
+included); and three toys kept from earlier releases (``mlp``, ``cnn``, ``transformer``). Each model has a
 full size, the one its parameter count is given for, and a small size for CPUs (the same
 architecture, narrower and shallower, on a smaller batch; GPT-2's vocabulary cut to 8192) so that
 the bench finishes in about a minute on 2 cores. Nothing is downloaded: weights are random, batches synthetic.
+
+How the built-in definitions differ from the libraries' (what ``hf-*`` and ``tv-*`` measure): no
+dropout (``dropout=0.0``: no masks saved for backward), ``F.gelu`` (one fused op, where Transformers'
+GPT-2 decomposes the tanh GELU into elementwise ops whose intermediates are saved), and torch's fused
+attention inside ``nn.TransformerEncoderLayer`` (no attention probabilities kept where the fused kernel
+runs); the loss is ``F.cross_entropy`` of the model's output, where Transformers' models compute their
+own through ``labels=``. The layer shapes and parameter counts are the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-@dataclass(frozen=True)
-class Mode:
-    """One way to run the training step."""
+from .bench_spec import SIZES, Mode, ModelSpec
+from .bench_spec import classify as _classify
+from .bench_spec import image_batch as _image_batch
+from .bench_spec import token_batch as _token_batch
+from .bench_thirdparty import THIRD_PARTY_MODELS, third_party_unavailable
 
-    name: str
-    #: "full" (fp32, tf32), "amp" (through amp_backends), "torch" (raw torch.amp), "amp-fp8" or "torchao-fp8"
-    via: str
-    dtype: torch.dtype | None = None
-    native: bool = True
-    #: why the mode cannot run here (then it is listed, not measured)
-    unavailable: str | None = None
-
-
-__all__ = ["Mode", "ModelSpec", "SIZES", "REAL_MODELS", "TOY_MODELS", "MODELS", "param_count", "format_params"]
-
-SIZES = ("full", "small")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """How to build one bench model and a batch for it, at a size."""
-
-    name: str
-    #: What it is, one line.
-    describe: str
-    #: size -> the model (on the current default device; ``meta`` for counting).
-    build: Callable[[str], nn.Module]
-    #: (size, device, batch or None for the size's own) -> (inputs, targets)
-    batch: Callable[[str, torch.device, int | None], tuple[torch.Tensor, torch.Tensor]]
-    #: The batch size of each size (what "real batch size" means for the model).
-    batch_sizes: dict[str, int]
-    #: What one input is, per size, as shown in the output ("224x224 images", "128 tokens").
-    shapes: dict[str, str]
-    #: torch.nn.functional loss of (output, targets).
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    #: The reference implementation's parameter count at full size (None for the toys).
-    reference_params: int | None = None
-
-
-def _classify(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), target.reshape(-1))
+__all__ = ["DEFAULT_MODELS", "LLAMA_BLOCK", "Mode", "ModelSpec", "SIZES", "REAL_MODELS", "TOY_MODELS", "MODELS",
+           "format_params", "model_unavailable", "param_count"]
 
 
 # -- ResNet-50 ---------------------------------------------------------------------------------
@@ -163,6 +142,69 @@ class GPT2(nn.Module):
         return self.head(self.norm(h))
 
 
+# -- a Llama-style decoder block --------------------------------------------------------------------
+class _RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    """A Llama-style decoder block: pre-norm RMSNorm, causal multi-head attention (no bias) through
+    ``F.scaled_dot_product_attention``, and a SwiGLU MLP (``down(silu(gate(x)) * up(x))``)."""
+
+    def __init__(self, width: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = _RMSNorm(width)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(width, width, bias=False) for _ in range(4))
+        self.mlp_norm = _RMSNorm(width)
+        self.gate_proj = nn.Linear(width, hidden, bias=False)
+        self.up_proj = nn.Linear(width, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (p(h).view(b, n, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, d)
+        x = x + self.o_proj(a)
+        h = self.mlp_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class LlamaBlocks(nn.Module):
+    """``layers`` Llama-style decoder blocks on hidden states (no embedding, no LM head: every matmul
+    is one a fp8 recipe converts)."""
+
+    def __init__(self, width: int = 4096, heads: int = 32, hidden: int = 11008, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(LlamaBlock(width, heads, hidden) for _ in range(layers)))
+        self.norm = _RMSNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.blocks(x))
+
+
+def _regress(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out.float(), target)
+
+
+def _hidden_batch(lengths: dict[str, int], widths: dict[str, int], sizes: dict[str, int]) -> Callable[..., Any]:
+    def make(size: str, device: torch.device, batch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = batch or sizes[size]
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, lengths[size], widths[size], generator=g)
+        return x.to(device), torch.randn(n, lengths[size], widths[size], generator=g).to(device)
+    return make
+
+
 # -- the toys ------------------------------------------------------------------------------------
 class _Encoder(nn.Module):
     def __init__(self, d: int, layers: int, vocab: int = 1000) -> None:
@@ -174,25 +216,6 @@ class _Encoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(self.embed(tokens)))
-
-
-def _image_batch(sides: dict[str, int], classes: int, sizes: dict[str, int]) -> Callable[..., Any]:
-    def make(size: str, device: torch.device, batch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = batch or sizes[size]
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(n, 3, sides[size], sides[size], generator=g)
-        return x.to(device), torch.randint(0, classes, (n,), generator=g).to(device)
-    return make
-
-
-def _token_batch(lengths: dict[str, int], vocab: dict[str, int], sizes: dict[str, int], targets: str) -> Callable[..., Any]:
-    def make(size: str, device: torch.device, batch: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = batch or sizes[size]
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab[size], (n, lengths[size]), generator=g)
-        y = torch.randint(0, 2, (n,), generator=g) if targets == "class" else torch.roll(ids, -1, dims=1)
-        return ids.to(device), y.to(device)
-    return make
 
 
 _RESNET = {"full": dict(width=64), "small": dict(width=8, classes=100)}
@@ -219,9 +242,20 @@ REAL_MODELS: dict[str, ModelSpec] = {
         lambda size: GPT2(**_GPT2[size]),
         _token_batch({"full": 512, "small": 64}, {"full": 50257, "small": 8192}, {"full": 16, "small": 4}, "next"),
         {"full": 16, "small": 4}, {"full": "512 tokens", "small": "64 tokens, width 128, 2 layers, vocabulary 8192"},
-        _classify, reference_params=124_439_808,
+        _classify, reference_params=124_439_808, lm_head="head",
     ),
 }
+
+_LLAMA = {"full": dict(), "small": dict(width=256, heads=4, hidden=688)}
+
+#: The fp8 rows' model (not in the default set: ``--models llama-block``).
+LLAMA_BLOCK = ModelSpec(
+    "llama-block", "2 Llama-style decoder blocks of width 4096 (RMSNorm, attention, SwiGLU): where fp8 pays",
+    lambda size: LlamaBlocks(**_LLAMA[size]),
+    _hidden_batch({"full": 1024, "small": 64}, {"full": 4096, "small": 256}, {"full": 8, "small": 2}),
+    {"full": 8, "small": 2}, {"full": "1024 tokens of width 4096", "small": "64 tokens, width 256, SwiGLU 688"},
+    _regress,
+)
 
 _TOY = {"full": 1.0, "small": 0.25}
 
@@ -272,7 +306,16 @@ TOY_MODELS: dict[str, ModelSpec] = {
                              {"full": "128 tokens", "small": "32 tokens"}, _classify),
 }
 
-MODELS: dict[str, ModelSpec] = {**REAL_MODELS, **TOY_MODELS}
+
+#: Every bench model this installation can build.
+MODELS: dict[str, ModelSpec] = {**REAL_MODELS, **THIRD_PARTY_MODELS, "llama-block": LLAMA_BLOCK, **TOY_MODELS}
+#: What ``amp-backends bench`` runs without ``--models``: the real models, and the libraries' where installed.
+DEFAULT_MODELS: tuple[str, ...] = (*REAL_MODELS, *THIRD_PARTY_MODELS)
+
+
+def model_unavailable(name: str) -> str | None:
+    """Why bench model ``name`` cannot be built here (a library missing), or None."""
+    return None if name in MODELS else third_party_unavailable(name)
 
 
 def param_count(name: str, size: str = "full") -> int:

@@ -16,6 +16,30 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
 
 
+def _versus(r: dict[str, Any]) -> str:
+    """The row's cost against its reference: torch.amp's step (with the interquartile range of the
+    per-round ratios), torchao's, or plain AMP's for the lean modes; fp8's speed against bf16."""
+    for key in ("overhead_vs_torch", "overhead_vs_torchao"):
+        if r.get(key) is not None:
+            low, high = r.get(f"{key}_iqr", (r[key], r[key]))
+            return f"{r[key]:.3f} [{low:.3f}-{high:.3f}]"
+    if r.get("vs_amp") is not None:
+        return f"{r['vs_amp']:.3f}"
+    if r.get("speedup_vs_bf16") is not None:
+        low, high = r["speedup_vs_bf16_iqr"]
+        return f"bf16/fp8 {r['speedup_vs_bf16']:.2f}x [{low:.2f}-{high:.2f}]"
+    return ""
+
+
+def _resolution(result: dict[str, Any]) -> str:
+    """Whether the rounds resolved 2% in the overhead ratios (their widest interquartile range)."""
+    widths = [n["overhead_iqr_width"] for n in result["models"].values() if n.get("overhead_iqr_width") is not None]
+    if not widths:
+        return ""
+    widest = max(widths)
+    return f" (widest interquartile range {widest:.3f}: {'resolves' if widest <= 0.02 else 'does not resolve'} 2%)"
+
+
 def render(result: dict[str, Any]) -> str:
     table_rows = []
     for r in result["rows"]:
@@ -23,8 +47,7 @@ def render(result: dict[str, Any]) -> str:
             table_rows.append([r["model"], r["mode"], "-", "n/a", "", "", "", "", "", r.get("unavailable") or ""])
             continue
         low, high = r["speedup_vs_fp32_iqr"]
-        overhead = r.get("overhead_vs_torch", r.get("overhead_vs_torchao", r.get("vs_amp")))
-        overhead = f"{overhead:.3f}" if overhead is not None else ""
+        overhead = _versus(r)
         native = "yes" if r["native"] else f"no ({r['rounds']} rounds)"
         table_rows.append([
             r["model"], r["mode"], native, f"{r['step_ms']:.1f}",
@@ -34,7 +57,7 @@ def render(result: dict[str, Any]) -> str:
         ])
     table = render_table(
         ["model", "mode", "native", "step ms", "vs fp32 [IQR]", "vs best full", "peak MiB", "saving",
-         "vs torch / torchao / amp", "verdict"],
+         "vs torch [IQR] / torchao / amp", "verdict"],
         table_rows, markdown=True, right=(3, 4, 5, 6, 7, 8))
     sizes = ", ".join(f"{m} batch {n['batch']} x {n['input']}" for m, n in result["models"].items())
     advice = []
@@ -46,17 +69,28 @@ def render(result: dict[str, Any]) -> str:
         else:
             head = f"no clear winner (fastest median: {rec['fastest']}): {rec['why']}"
         advice.append(f"  {rec['model']}: {head}; peak memory: {memory}")
-    kind = next((r["memory_kind"] for r in result["rows"] if r.get("memory_kind")), "-")
+        if rec.get("fp8"):
+            fp8 = rec["fp8"]
+            advice.append(f"    fp8 (amp-fp8) {fp8['speedup_vs_bf16']:.2f}x bf16's speed "
+                          f"[{fp8['iqr'][0]:.2f}-{fp8['iqr'][1]:.2f}]: {fp8['verdict']}")
+    kind = result.get("memory") or next((r["memory_kind"] for r in result["rows"] if r.get("memory_kind")), "-")
+    steps = ", ".join(f"{m} {n['steps_per_round']}" for m, n in result["models"].items() if "steps_per_round" in n)
+    overheads = [f"{r['model']} {r['mode']} {r['overhead_vs_torch']:.3f} [{r['overhead_vs_torch_iqr'][0]:.3f}-"
+                 f"{r['overhead_vs_torch_iqr'][1]:.3f}]" for r in result["rows"] if r.get("overhead_vs_torch") is not None]
     size_note = ("small size for a CPU (same architectures, narrower; --size full for the real ones)"
                  if result["size"] == "small" else "full size")
     return "\n".join([
         f"amp-backends bench: backend {result['backend']} on {result['device']}, torch {result['torch']}, {result['date']}",
         f"{size_note}: {sizes}",
         f"medians of {result['rounds']} interleaved rounds after {result['warmup']} warm-up steps "
-        f"(emulated dtypes: {result['emulated_rounds']} rounds); speedups are medians of per-round ratios "
-        f"[interquartile range]; memory: {kind}",
+        f"(emulated dtypes: {result['emulated_rounds']} rounds); steps per round: {steps or '1'}, timed by "
+        f"{result.get('timer', 'the host clock')}; speedups are medians of per-round ratios [interquartile range]",
+        f"memory: {kind}",
         "",
         table,
+        "",
+        "Adapter overhead vs torch.amp (median step-time ratio [interquartile range]): "
+        + ("; ".join(overheads) if overheads else "not measured") + _resolution(result),
         "",
         "Recommendation (per model):",
         *advice,

@@ -12,8 +12,10 @@ from ..errors import AmpBackendsError
 
 _DEMO_EPOCHS = 8  # DemoConfig's default (demo is imported only when it runs)
 # the bench's models (bench_models is imported only when bench runs; test_cli keeps these in step)
-_BENCH_MODELS = ("resnet50", "bert-base", "gpt2-small", "mlp", "cnn", "transformer")
-_BENCH_DEFAULT = ("resnet50", "bert-base", "gpt2-small")
+_BENCH_MODELS = ("resnet50", "bert-base", "gpt2-small", "hf-gpt2", "hf-bert", "tv-resnet50", "llama-block", "mlp", "cnn",
+                 "transformer")
+# the built-in real models, and Transformers' and torchvision's where those are installed
+_BENCH_DEFAULT = ("resnet50", "bert-base", "gpt2-small", "hf-gpt2", "hf-bert", "tv-resnet50")
 
 
 class CLIError(AmpBackendsError):
@@ -49,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="fp32, TF32 and AMP step time and peak memory, per model")
     bench.add_argument("--backend", help="backend name (default: best available, or $AMP_BACKEND)")
-    bench.add_argument("--models", default=",".join(_BENCH_DEFAULT),
-                       help=f"comma-separated, from: {', '.join(_BENCH_MODELS)} (default: %(default)s)")
+    bench.add_argument("--models", default=None,
+                       help=f"comma-separated, from: {', '.join(_BENCH_MODELS)} (default: {','.join(_BENCH_DEFAULT)}, "
+                            "the hf-* and tv-* ones where Transformers and torchvision are installed)")
     bench.add_argument("--size", choices=("auto", "full", "small"), default="auto",
                        help="full: the real models at real batch sizes; small: narrower, for CPUs "
                             "(default auto: full on an accelerator, small on a CPU)")
@@ -58,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=None,
                        help="timed rounds per mode (default: 5 at small size, 20 at full size)")
     bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--steps-per-round", type=int, default=None, dest="steps",
+                       help="steps each round times (default: one on a CPU, enough for 0.2 s on an accelerator, 3 to 16)")
     bench.add_argument("--scale", type=float, default=1.0, help="batch-size factor, in (0, 8]")
     bench.add_argument("--json", action="store_true")
     bench.add_argument("--plot", metavar="PNG", help="also draw the table (needs matplotlib)")
@@ -167,11 +172,18 @@ def _run(args: argparse.Namespace) -> int:
         )
         return demo_main(cfg, as_json=args.json)
     if args.command == "bench":
-        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        given = args.models is not None
+        models = [m.strip() for m in (args.models if given else ",".join(_BENCH_DEFAULT)).split(",") if m.strip()]
         unknown = [m for m in models if m not in _BENCH_MODELS]
         if unknown or not models:
             raise CLIError(f"--models: unknown model {', '.join(map(repr, unknown)) or '(none given)'}; "
                            f"choose from {', '.join(_BENCH_MODELS)} (amp-backends bench --list)")
+        from .bench_models import model_unavailable
+
+        missing = [why for m in models if (why := model_unavailable(m))]
+        if missing and given:
+            raise CLIError(f"--models: {'; '.join(missing)}")
+        models = [m for m in models if not model_unavailable(m)]
         if args.list:
             from .bench import list_models
 
@@ -179,6 +191,8 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
             raise CLIError(f"--rounds must be >= 1 and --warmup >= 0, got {args.rounds} and {args.warmup}")
+        if args.steps is not None and not 1 <= args.steps <= 1000:
+            raise CLIError(f"--steps-per-round must be in [1, 1000], got {args.steps}")
         if not (math.isfinite(args.scale) and 0 < args.scale <= 8):
             raise CLIError(f"--scale must be in (0, 8], got {args.scale:g}")
         if args.plot is not None:
@@ -193,7 +207,7 @@ def _run(args: argparse.Namespace) -> int:
         from .bench import main as bench_main
 
         return bench_main(args.backend, list(dict.fromkeys(models)), args.size, args.rounds, args.warmup, args.scale,
-                          args.json, args.plot)
+                          args.json, args.plot, args.steps)
     if args.command == "check":
         from .check import main as check_main
 
