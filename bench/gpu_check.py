@@ -74,7 +74,7 @@ SMOKE_TESTS_K = "round_times or fp8_gets"
 BENCH_MODELS = ["hf-bert", "bert-base", "hf-gpt2", "gpt2-small", "tv-resnet50", "resnet50"]
 SMOKE_MODELS = ["mlp"]
 TIME_MODES = ["fp32", "tf32", "amp-float16", "torch-float16", "amp-bfloat16", "torch-bfloat16", "lean-bf16",
-              "lean-bf16-sr"]
+              "lean-bf16-rc", "lean-bf16-sr"]
 FP8_MODES = ["amp-bfloat16", "amp-fp8", "torchao-fp8", "bf16-fp8-baseline"]
 
 
@@ -181,7 +181,14 @@ def _size(ctx: dict[str, Any]) -> tuple[str, float]:
 def _models(ctx: dict[str, Any], names: list[str]) -> list[str]:
     from amp_backends.cli.bench_models import MODELS
 
+    names = ctx.get("models") or names
     return [m for m in names if m in MODELS]
+
+
+def _modes(ctx: dict[str, Any], modes: list[str]) -> list[str]:
+    """``modes`` less those ``--modes`` leaves out (fp32, the baseline, always runs)."""
+    wanted = ctx.get("modes")
+    return [m for m in modes if wanted is None or m == "fp32" or m in wanted]
 
 
 def part_memory(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
@@ -196,7 +203,7 @@ def part_memory(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     result = {"backend": be.name, "size": size, "rows": rows, "models_done": done}
     ctx["memory"] = result
     for name in _models(ctx, SMOKE_MODELS if ctx["smoke"] else BENCH_MODELS):
-        rows += memory_rows(be, [name], size, scale, modes=("amp-bfloat16",) if ctx["smoke"] else None)
+        rows += memory_rows(be, [name], size, scale, modes=("amp-bfloat16",) if ctx["smoke"] else ctx.get("modes"))
         done.append(name)
     return result
 
@@ -211,7 +218,7 @@ def part_bench(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
              for r in ctx.get("memory", {}).get("rows", []) if r.get("peak_bytes") is not None}
     result: dict[str, Any] = {"rows": [], "models": {}, "recommendation": []}
     ctx["bench"] = result
-    modes = ["fp32", "amp-bfloat16"] if ctx["smoke"] else TIME_MODES
+    modes = ["fp32", "amp-bfloat16"] if ctx["smoke"] else _modes(ctx, TIME_MODES)
     for name in _models(ctx, SMOKE_MODELS if ctx["smoke"] else BENCH_MODELS):
         one = bench.run(None, [name], size, rounds=2 if ctx["smoke"] else 5, warmup=0 if ctx["smoke"] else 2,
                         scale=scale, modes=modes, memory_cache=cache)
@@ -396,11 +403,13 @@ PARTS: dict[str, Callable[[dict[str, Any], float], dict[str, Any]]] = {
 
 
 # -- the run ------------------------------------------------------------------------------------------
-def run(json_path: str, smoke: bool, total: float, only: list[str] | None = None) -> dict[str, Any]:
-    """Run the parts within ``total`` seconds, writing the JSON after each; return what was written."""
+def run(json_path: str, smoke: bool, total: float, only: list[str] | None = None,
+        models: list[str] | None = None, modes: list[str] | None = None) -> dict[str, Any]:
+    """Run the parts within ``total`` seconds, writing the JSON after each; return what was written.
+    ``models``/``modes``: the memory and time parts' models and modes instead of the defaults."""
     start = time.monotonic()
     result: dict[str, Any] = {"header": header(smoke), "budget_s": total, "parts": {}}
-    ctx: dict[str, Any] = {"smoke": smoke, "json": json_path}
+    ctx: dict[str, Any] = {"smoke": smoke, "json": json_path, "models": models, "modes": modes}
     names = [p for p in PARTS if only is None or p in only]
     factor = max(1.0, total / (SMOKE_BUDGET if smoke else TOTAL_BUDGET))  # a longer run gives every part more
     for i, name in enumerate(names):
@@ -498,6 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=None,
                         help=f"seconds for the whole run (default {TOTAL_BUDGET:g}; {SMOKE_BUDGET:g} with --smoke)")
     parser.add_argument("--parts", default=None, help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--models", default=None, help="the memory and time parts' models (default: "
+                        f"{','.join(BENCH_MODELS)})")
+    parser.add_argument("--modes", default=None, help="the memory and time parts' modes (fp32 always runs; "
+                        f"default: {','.join(TIME_MODES)})")
     args = parser.parse_args(argv)
     only = [p.strip() for p in args.parts.split(",")] if args.parts else None
     if only and (bad := [p for p in only if p not in PARTS]):
@@ -513,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     installed = ensure_installed()
     if installed:
         print(installed, file=sys.stderr)
-    result = run(args.json, args.smoke, total, only)
+    split = (lambda text: [t.strip() for t in text.split(",") if t.strip()] if text else None)  # noqa: E731
+    result = run(args.json, args.smoke, total, only, split(args.models), split(args.modes))
     result["header"]["install"] = installed
     Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     print(table(result))

@@ -10,7 +10,8 @@ interleaved round by round after warm-up, so that drift of the machine hits them
 - ``torch-<dtype>``: the same step through raw ``torch.autocast`` + ``torch.amp.GradScaler``,
   so ``overhead_vs_torch`` is the adapter's cost (median of per-round ratios, with its
   interquartile range and full range);
-- ``lean-bf16`` (:func:`amp_backends.memory_lean`, fp32 masters) and, where torchao is installed and
+- ``lean-bf16`` (:func:`amp_backends.memory_lean`, fp32 masters), ``lean-bf16-rc`` (the same with
+  ``recompute=True``: models with repeated blocks) and, where torchao is installed and
   on accelerators, ``lean-bf16-sr`` (torchao's AdamW rounding bf16 stochastically, no masters);
 - ``amp-fp8``, ``torchao-fp8`` and their baseline ``bf16-fp8-baseline`` where the device has fp8
   matmuls, compiled as torchao documents (:mod:`amp_backends.cli.bench_fp8`); elsewhere the rows say why.
@@ -63,7 +64,7 @@ from .bench_measure import (  # noqa: F401 - the round's constants and peak_memo
     step_timer,
     steps_per_round,
 )
-from .bench_memory import LEAN_HEADS, _sr_unavailable, peak_kind
+from .bench_memory import LEAN_HEADS, _sr_unavailable, peak_kind, recompute_unavailable
 from .bench_report import list_models, plot, render
 
 __all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "MAX_STEPS_PER_ROUND", "MIN_STEPS_PER_ROUND", "Mode", "ROUND_SECONDS",
@@ -105,6 +106,7 @@ def modes_for(be: Backend) -> list[Mode]:
     if torch.bfloat16 in be.supported_dtypes():
         bf16 = torch.bfloat16 in native
         modes.append(Mode("lean-bf16", "lean", torch.bfloat16, bf16))
+        modes.append(Mode("lean-bf16-rc", "lean-rc", torch.bfloat16, bf16))
         modes.append(Mode("lean-bf16-sr", "lean-sr", torch.bfloat16, bf16, unavailable=sr_unavailable(be)))
     from .bench_fp8 import FP8_MODES, fp8_unavailable
 
@@ -154,10 +156,10 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
         return full_step
     fp16 = mode.dtype == torch.float16
     net, optimizer = model, opt
-    if mode.via == "lean":
+    if mode.via in ("lean", "lean-rc"):
         net = copy.deepcopy(model)
         lean = memory_lean(net, torch.optim.AdamW(net.parameters(), lr=1e-5), backend=be, weights=torch.bfloat16,
-                           lm_head=lm_head)
+                           lm_head=lm_head, recompute=mode.via == "lean-rc")
         optimizer = lean.optimizer
     elif mode.via == "lean-sr":
         from torchao.optim import _AdamW
@@ -165,7 +167,7 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
         net = copy.deepcopy(model)
         sr = _AdamW(net.parameters(), lr=1e-5, bf16_stochastic_round=True)
         optimizer = memory_lean(net, sr, backend=be, weights=torch.bfloat16, master=False, lm_head=lm_head).optimizer
-    if mode.via in ("amp", "lean", "lean-sr"):
+    if mode.via in ("amp", "lean", "lean-rc", "lean-sr"):
         scaler: Any = be.grad_scaler(mode.dtype)
         autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731
     else:
@@ -270,9 +272,12 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
             spec = MODELS[name]
             target = max(1, round(spec.batch_sizes[size] * scale))
 
+            no_blocks = recompute_unavailable(name)
+            here = [m for m in runnable if not (m.via == "lean-rc" and no_blocks)]
+
             def measure_memory(batch: int) -> dict[str, tuple[int, str]]:
                 memory = {}
-                for m in runnable:  # each mode alone: its own model and optimizer, nothing else alive
+                for m in here:  # each mode alone: its own model and optimizer, nothing else alive
                     known = (memory_cache or {}).get((name, size, batch, "fp32" if m.name == "tf32" else m.name))
                     if known is not None:
                         memory[m.name] = known
@@ -289,8 +294,8 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 data = spec.batch(size, be.device(), batch)
                 steps_of = {m.name: make_step(be, model, opt, spec.loss_of, data, m, LEAN_HEADS.get(name))
-                            for m in runnable if not _fp8(m)}
-                reasons = {}
+                            for m in here if not _fp8(m)}
+                reasons = {m.name: no_blocks for m in runnable if m not in here and no_blocks}
                 if any(_fp8(m) for m in runnable):
                     from .bench_fp8 import make_fp8_steps
 
@@ -409,7 +414,7 @@ def _rows(model: str, params: int, modes: list[Mode], times: dict[str, list[floa
                 over = _iqr(_ratios(t, theirs))
                 row.update(overhead_vs_torch=over["median"], overhead_vs_torch_iqr=over["iqr"],
                            overhead_vs_torch_range=over["range"])
-        if m.via in ("lean", "lean-sr") and times.get(f"amp-{_dtype_name(m.dtype)}"):
+        if m.via in ("lean", "lean-rc", "lean-sr") and times.get(f"amp-{_dtype_name(m.dtype)}"):
             row["vs_amp"] = statistics.median(_ratios(t, times[f"amp-{_dtype_name(m.dtype)}"]))
         if _fp8(m):
             row["compiled"] = m.name in compiled

@@ -4,7 +4,8 @@ mode does to the loss.
 The ledger (:mod:`amp_backends.memory.ledger`) of a training step of each bench model at its full size
 and real batch size, per mode: float32, AMP in each autocast dtype, and memory-lean AMP
 (:func:`amp_backends.memory_lean`: bfloat16 weights with float32 masters, low-precision saves, the LM
-head in blocks of rows; ``lean-bf16-sr``: bfloat16 weights and moments rounded stochastically by
+head in blocks of rows; ``lean-bf16-rc``: the same with the transformer blocks' cheap ops recomputed in
+backward (``recompute=True``); ``lean-bf16-sr``: bfloat16 weights and moments rounded stochastically by
 torchao's AdamW, no masters). On a CPU the steps run on fake tensors: every storage counted, no
 arithmetic, a few seconds per model and mode (the loss scaler's skip decision, a host read, cannot be
 made there: the step is counted as one that runs). On an accelerator they run for real on the device, and
@@ -15,6 +16,7 @@ on the bench's data (small size, real arithmetic) is reported beside the memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import datetime
 import gc
 import importlib.util
@@ -31,6 +33,7 @@ from ..errors import PerformanceWarning
 from ..memory.compile_once import compile_once
 from ..memory.fake import Setup, measure, on_meta_then_fake
 from ..memory.lean import memory_lean
+from ..memory.recompute import find_blocks
 from ..memory.ledger import PARTS, Ledger, MemoryReport
 from .bench_models import MODELS
 
@@ -57,8 +60,16 @@ def ledger_modes(be: Backend) -> list[tuple[str, str | None]]:
     modes += [(f"amp-{str(d).replace('torch.', '')}", None) for d in (torch.float16, torch.bfloat16)
               if d in be.supported_dtypes()]
     if torch.bfloat16 in be.supported_dtypes():
-        modes += [("lean-bf16", None), ("lean-bf16-sr", _sr_unavailable())]
+        modes += [("lean-bf16", None), ("lean-bf16-rc", None), ("lean-bf16-sr", _sr_unavailable())]
     return modes
+
+
+@functools.lru_cache(maxsize=None)
+def recompute_unavailable(name: str) -> str | None:
+    """Why bench model ``name`` has no ``lean-bf16-rc`` row (no repeated blocks to recompute), or None."""
+    if find_blocks(MODELS[name].build("small")):
+        return None
+    return "no repeated transformer blocks to recompute (memory_lean(recompute=True) refuses it)"
 
 
 @contextlib.contextmanager
@@ -96,8 +107,9 @@ def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *
                               lm_head=LEAN_HEADS.get(name)).optimizer
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=lr)
-            if mode == "lean-bf16":
-                lean = memory_lean(model, opt, backend=be, weights=torch.bfloat16, lm_head=LEAN_HEADS.get(name))
+            if mode in ("lean-bf16", "lean-bf16-rc"):
+                lean = memory_lean(model, opt, backend=be, weights=torch.bfloat16, lm_head=LEAN_HEADS.get(name),
+                                   recompute=mode == "lean-bf16-rc")
                 opt, master = lean.optimizer, (lambda: list(lean._masters.values()))
         # a fake step cannot make the scaler's decision (a host read of found_inf): it is counted as a step
         # that runs; the scaler's own tensors are a few bytes, its unscale works in place
@@ -171,6 +183,7 @@ def memory_rows(be: Backend, models: Sequence[str], size: str = "full", scale: f
                 continue
             row: dict[str, Any] = {"model": name, "mode": mode, "size": size, "batch": batch, "input": spec.shapes[size],
                                    "counted": "fake tensors (no arithmetic)" if fake else f"real step on {be.name}"}
+            why_not = why_not or (recompute_unavailable(name) if mode == "lean-bf16-rc" else None)
             if why_not is not None:
                 rows.append({**row, "memory": None, "saving_vs_fp32": None, "unavailable": why_not})
                 continue
