@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from .contract import Device
 
 __all__ = ["ABSENT", "HONOURS", "IGNORES", "PROBE_SCALE", "REFUSED", "REJECTS", "SCALE_BLIND", "STATUSES",
-           "FusedKernel", "forget", "kernel_of", "kind_of", "probe"]
+           "FusedKernel", "forget", "kernel_of", "kind_of", "probe",
+           "runs_fused_kernel"]
 
 #: The kernel skips the step when handed found_inf = 1 and divides the gradients by grad_scale
 #: otherwise (torch's own kernels, torch_mlu's).
@@ -114,6 +115,13 @@ def kind_of(optimizer: torch.optim.Optimizer) -> str:
         if isinstance(optimizer, cls):
             return kind
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def runs_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's optimizers with ``fused=True`` in a parameter group (it then
+    runs a fused kernel whether or not it sets ``_step_supports_amp_scaling``)."""
+    return any(isinstance(optimizer, cls) for cls, _ in _KINDS) and \
+        any(group.get("fused") for group in optimizer.param_groups)
 
 
 def probe(optimizer: torch.optim.Optimizer, device: torch.device) -> FusedKernel:

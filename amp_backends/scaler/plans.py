@@ -358,10 +358,17 @@ FUSED, OPTIMIZER_OWNED = Fused(), OptimizerOwned()
 def choose(scaler: Scaling, optimizer: torch.optim.Optimizer) -> Plan:
     """The plan ``optimizer``'s steps follow under ``scaler``: from whether scaling is on, whether the
     optimizer is fused (``_step_supports_amp_scaling``), and what the device's fused kernel for it does
-    with grad_scale and found_inf (declared by the backend, or probed once on the device)."""
+    with grad_scale and found_inf (declared by the backend, or probed once on the device). A torch
+    optimizer running a fused kernel without taking part in the protocol (torch 2.11's
+    ``Adagrad(fused=True)`` sets no ``_step_supports_amp_scaling``; 2.13's does) steps as a plain one, as torch's scaler steps it,
+    unless the device has no such kernel or refuses it: then it is refused before anything changes."""
     if not scaler._enabled:
         return CHECK_ONLY if scaler._check_finite else FORWARD
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if fused.runs_fused_kernel(optimizer):  # torch 2.11's Adagrad(fused=True): fused, not handed found_inf
+            kernel = fused.kernel_of(scaler.backend, optimizer)
+            if kernel.status in (fused.ABSENT, fused.REFUSED):
+                return Refused(kernel)
         return PLAIN
     kernel = fused.kernel_of(scaler.backend, optimizer)
     if kernel.status in (fused.ABSENT, fused.REFUSED):
