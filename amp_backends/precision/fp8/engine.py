@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -92,13 +93,24 @@ _ENGINE: dict[str, Any] = {}
 @contextlib.contextmanager
 def _quiet_import() -> Iterator[None]:
     """torchao logs a warning per compiled extension it cannot load on this machine (sm90, mxfp8
-    kernels on a CPU machine); the Python float8 path needs none of them."""
+    kernels on a CPU machine); the Python float8 path needs none of them. Python 3.12 compiling torchao's
+    source where no bytecode is cached warns about invalid escapes in it (torchao 0.17's quant_api.py):
+    nothing the user can act on, so not shown either."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=SyntaxWarning)
+            ours = list(warnings.filters)
+            try:
+                yield
+            finally:  # filters the import added (torchao's __init__ adds one) outlive the block
+                added = [f for f in warnings.filters if f not in ours]
+        for action, message, category, module, lineno in reversed(added):
+            warnings.filterwarnings(action, getattr(message, "pattern", message or ""), category,
+                                    getattr(module, "pattern", module or ""), lineno)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
