@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import amp_backends
 from amp_backends import distributed

@@ -10,7 +10,6 @@ with bfloat16 where torch has it. The collectives of each step are counted as di
 import argparse
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +50,7 @@ def bf16_recipe(state: object, bucket: dist.GradBucket) -> torch.futures.Future[
 
 
 def torch_bf16(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    return default_hooks._compress_hook(torch.bfloat16, state, bucket)  # type: ignore[attr-defined]
+    return default_hooks._compress_hook(torch.bfloat16, state, bucket)  # type: ignore[attr-defined]  # torch's private hook, compared against
 
 
 def model() -> torch.nn.Module:
@@ -137,7 +136,7 @@ def refusals() -> dict:
         except distributed.CollectiveError as e:
             out[name] = str(e)
     try:
-        distributed.reduce_in_low_precision(model(), be)  # type: ignore[arg-type]
+        distributed.reduce_in_low_precision(model(), be)  # type: ignore[arg-type]  # the wrong type on purpose: the refusal is the test
     except TypeError as e:
         out["not_ddp"] = str(e)
     out["hooks_after_refusals"] = len(ddp._comm_hooks)

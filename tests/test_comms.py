@@ -126,8 +126,8 @@ def test_declared_refusals(lib, dtype, op, refused):
 
 def test_every_builtin_backend_declares_its_library():
     """Each plugin's class attribute, read without probing the device."""
-    import amp_backends_plugins.cpu, amp_backends_plugins.cuda, amp_backends_plugins.hpu  # noqa: E401
-    import amp_backends_plugins.mlu, amp_backends_plugins.musa, amp_backends_plugins.npu, amp_backends_plugins.xpu  # noqa: E401
+    import amp_backends_plugins.cpu, amp_backends_plugins.cuda, amp_backends_plugins.hpu  # noqa: E401 - the plugins in two lines
+    import amp_backends_plugins.mlu, amp_backends_plugins.musa, amp_backends_plugins.npu, amp_backends_plugins.xpu  # noqa: E401 - the plugins in two lines
     p = amp_backends_plugins
     expected = {p.cpu.CPUBackend: collectives.GLOO, p.cuda.CUDABackend: collectives.NCCL,
                 p.hpu.HPUBackend: collectives.GAUDI_HCCL, p.mlu.MLUBackend: collectives.CNCL,

@@ -21,7 +21,7 @@ from amp_backends.precision.formats import COST_ORDER, RECIPE_OF
 from amp_backends.precision.fp8 import engine as fp8_engine
 from amp_backends.precision.planner import layer_error
 
-from fp8_marks import NO_FP8, NO_MX, needs_mx, needs_torchao
+from fp8_marks import NO_FP8, needs_mx, needs_torchao
 
 
 @pytest.fixture(autouse=True)

@@ -120,7 +120,7 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, l
                 opt.zero_grad(set_to_none=True)
                 loss_fn(model(x), y).backward()
                 opt.step()
-        full_step.model, full_step.optimizer = model, opt  # type: ignore[attr-defined]
+        full_step.model, full_step.optimizer = model, opt  # type: ignore[attr-defined]  # the step carries what the ledger classifies
         return full_step
     fp16 = mode.dtype == torch.float16
     net, optimizer = model, opt
@@ -131,10 +131,10 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, l
         optimizer = lean.optimizer
     if mode.via in ("amp", "lean"):
         scaler: Any = be.grad_scaler(mode.dtype)
-        autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731
+        autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731 - one of two one-line choices
     else:
         scaler = torch.amp.GradScaler(be.device_type, enabled=fp16)
-        autocast = lambda: torch.autocast(be.device_type, dtype=mode.dtype)  # noqa: E731
+        autocast = lambda: torch.autocast(be.device_type, dtype=mode.dtype)  # noqa: E731 - one of two one-line choices
 
     def amp_step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -143,7 +143,7 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer, l
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-    amp_step.model, amp_step.optimizer = net, optimizer  # type: ignore[attr-defined]
+    amp_step.model, amp_step.optimizer = net, optimizer  # type: ignore[attr-defined]  # the step carries what the ledger classifies
     return amp_step
 
 
@@ -156,7 +156,7 @@ def peak_memory(be: Backend, step: Callable[[], None]) -> tuple[int, str]:
         step()
         be.synchronize()
         return int(be.max_memory_allocated() or 0), "allocator peak"
-    model, optimizer = step.model, step.optimizer  # type: ignore[attr-defined]
+    model, optimizer = step.model, step.optimizer  # type: ignore[attr-defined]  # set on the step function above
     step()  # the optimizer's state exists from here, as in every later step
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     masters = list(getattr(optimizer, "masters", {}).values())

@@ -23,7 +23,7 @@ class CLIError(AmpBackendsError):
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block): ``amp-backends demo: error: ...``."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> None:  # type: ignore[override]  # argparse's error is typed NoReturn; ours exits too
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

@@ -34,9 +34,9 @@ def _calls_warn(frame: FrameType) -> bool:
     a library, or an import, whose C code issued the warning)."""
     positions = list(frame.f_code.co_positions())
     index = frame.f_lasti // 2
-    if not 0 <= index < len(positions) or positions[index][0] is None:
+    line, _, column, _ = positions[index] if 0 <= index < len(positions) else (None, None, None, None)
+    if line is None:
         return False
-    line, _, column, _ = positions[index]
     text = linecache.getline(frame.f_code.co_filename, line)[column or 0:]
     return text.startswith(("warnings.warn(", "warn("))
 

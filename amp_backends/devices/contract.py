@@ -227,7 +227,7 @@ class Device:
         (gradient accumulation, several losses) do not run it: an overflow in an early
         micro-batch must survive until the step reads it."""
         if self.global_overflow_status:
-            self.clear_overflow_status()  # type: ignore[attr-defined]
+            self.clear_overflow_status()  # type: ignore[attr-defined]  # declared with global_overflow_status (checked at registration)
 
     # -- the device -------------------------------------------------------------------------
     def device(self, index: int | None = None) -> torch.device:
@@ -251,7 +251,7 @@ class Device:
         if callable(query):
             return int(query())
         found, value = accelerator.memory_call(self.device_type, "max_memory_allocated")
-        return int(value) if found else None  # type: ignore[call-overload]
+        return int(value) if found else None  # type: ignore[call-overload]  # the accelerator's answer is an int where found
 
     def reset_peak_memory_stats(self) -> None:
         """Start a new peak-memory measurement, where the device tracks one."""

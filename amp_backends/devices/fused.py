@@ -175,8 +175,8 @@ def _skips(optimizer: torch.optim.Optimizer, device: torch.device, hand_over: bo
     param = _probe_param(device, PROBE_SCALE)
     opt = type(optimizer)([param], **_defaults(optimizer))
     if hand_over:
-        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]
-        opt.found_inf = torch.ones((), device=device)  # type: ignore[attr-defined]
+        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
+        opt.found_inf = torch.ones((), device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
     opt.step()
     return bool(torch.equal(param.detach().cpu(), torch.tensor(_PARAM)))
 
@@ -188,7 +188,7 @@ def _without_hand_over(optimizer: torch.optim.Optimizer, device: torch.device, w
         _skips(optimizer, device, hand_over=False)
     except NotImplementedError as exc:
         return FusedKernel(ABSENT, f"{where}: {_first_line(exc)}")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the extension's own refusal, its message kept
         return FusedKernel(REFUSED, f"{where}: {type(exc).__name__}: {_first_line(exc)}")
     return FusedKernel(REJECTS, f"{where}: {type(first).__name__}: {_first_line(first)}")
 
@@ -206,8 +206,8 @@ def _stepped(optimizer: torch.optim.Optimizer, device: torch.device, fused: bool
         kwargs.update({k: False for k in ("fused", "foreach") if k in accepted})
     opt = type(optimizer)([param], **kwargs)
     if fused:
-        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]
-        opt.found_inf = torch.zeros((), device=device)  # type: ignore[attr-defined]
+        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
+        opt.found_inf = torch.zeros((), device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
     opt.step()
     state = opt.state[param]
     return [param.detach().cpu().float()] + [state[k].detach().cpu().float() for k in sorted(state)

@@ -221,7 +221,7 @@ def lazy_head(module: nn.Linear) -> _LazyHead:
     if not isinstance(module, nn.Linear):
         raise TypeError(f"a lazy LM head is an nn.Linear, got {type(module).__name__}")
     wrapper = _LazyHead(module, module.__dict__.get("forward"))
-    module.forward = wrapper  # type: ignore[method-assign]
+    module.forward = wrapper  # type: ignore[method-assign]  # the forward is wrapped per instance
     return wrapper
 
 
@@ -231,4 +231,4 @@ def undo_lazy_head(module: nn.Linear) -> None:
         if wrapper.previous is None:
             del module.__dict__["forward"]
         else:
-            module.forward = wrapper.previous  # type: ignore[method-assign]
+            module.forward = wrapper.previous  # type: ignore[method-assign]  # the instance's own forward put back

@@ -48,11 +48,11 @@ class MasterWeights(torch.optim.Optimizer):
         self._optimizer_step_pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", {})
         self._optimizer_step_post_hooks = getattr(optimizer, "_optimizer_step_post_hooks", {})
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 

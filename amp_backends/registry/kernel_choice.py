@@ -51,9 +51,9 @@ class KernelChoice:
         kept on the device."""
         pinned = device.__dict__.get("_kernel")
         if pinned is not None:
-            return pinned  # type: ignore[no-any-return]
+            return pinned
         kernel = self._choose(device)
-        device._kernel = kernel  # type: ignore[attr-defined]
+        device._kernel = kernel  # type: ignore[attr-defined]  # the chosen kernel kept on the device
         return kernel
 
     def _choose(self, device: Device) -> Kernel:

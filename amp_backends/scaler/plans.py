@@ -67,11 +67,11 @@ class Record:
 
     @property
     def stage(self) -> OptState:
-        return self._state["stage"]  # type: ignore[no-any-return]
+        return self._state["stage"]
 
     @property
     def found(self) -> dict[torch.device, torch.Tensor]:
-        return self._state["found_inf_per_device"]  # type: ignore[no-any-return]
+        return self._state["found_inf_per_device"]
 
     def checked(self, found: dict[torch.device, torch.Tensor]) -> None:
         self._state["found_inf_per_device"] = found
@@ -274,8 +274,8 @@ class Fused(_OnDevice):
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
         found = record.found
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
+        optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
         return False, args, kwargs
 
 
@@ -303,8 +303,8 @@ class UnscaledFused(_OnDevice):
         if record.stage is OptState.READY:
             unscale(scaler, optimizer, funcname="step")
         found = record.found
-        optimizer.grad_scale = None  # type: ignore[attr-defined]
-        optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]
+        optimizer.grad_scale = None  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
+        optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
         return False, args, kwargs
 
     def __repr__(self) -> str:

@@ -107,7 +107,7 @@ def _quiet_import() -> Iterator[None]:
             try:
                 yield
             finally:  # filters the import added (torchao's __init__ adds one) outlive the block
-                added = [f for f in warnings.filters if f not in ours]
+                added: list[Any] = [f for f in warnings.filters if f not in ours]
         for action, message, category, module, lineno in reversed(added):
             warnings.filterwarnings(action, getattr(message, "pattern", message or ""), category,
                                     getattr(module, "pattern", module or ""), lineno)
