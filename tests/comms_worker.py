@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import amp_backends
 from amp_backends import distributed
 from amp_backends.devices import collectives
+from amp_backends.distributed.counting import count_collectives
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -169,12 +170,16 @@ def simulations() -> dict:
         return None
 
     t64 = torch.ones(4, dtype=torch.float64)
+    with count_collectives() as log:  # whether this torch shows a collective's ReduceOp to Python (2.11 does, 2.8
+        dist.all_reduce(torch.ones(4))  # does not): the simulated library can refuse only an op it sees
+    shows_op = log.reduce_ops() == {"SUM"}
     out = {
         "hccl_fp64_allreduce": attempt(collectives.HCCL, lambda: dist.all_reduce(t64)),
         "cncl_fp64_broadcast": attempt(collectives.CNCL, lambda: dist.broadcast(t64, 0)),
         "gloo_fp64_allreduce": attempt(collectives.GLOO, lambda: dist.all_reduce(t64)),
         "gaudi_avg": attempt(collectives.GAUDI_HCCL, lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.AVG))
-        if _TORCH >= (2, 8) else "not run: older gloo refuses AVG itself and torch 2.4 hides the op",
+        if _TORCH >= (2, 8) and shows_op else "not run: older gloo refuses AVG itself, and this torch hides the op",
+        "shows_op": shows_op,
     }
 
     def ddp_step(dtype: torch.dtype) -> None:

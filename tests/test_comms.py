@@ -217,7 +217,8 @@ def test_simulated_libraries_refuse_what_the_vendors_refuse(ranks):
         assert "HCCL (Ascend, torch_npu) does not reduce float64" in sim["hccl_fp64_allreduce"]
         assert "CNCL (Cambricon, torch_mlu) does not all-gather or broadcast float64" in sim["cncl_fp64_broadcast"]
         assert sim["gloo_fp64_allreduce"] is None and sim["gaudi_sum_allowed"] is None
-        if _TORCH >= (2, 8):  # gloo takes AVG (pytorch PR 149781) and shows the op to Python
+        assert sim["shows_op"] or _TORCH < (2, 11), "torch 2.11 and later show a collective's ReduceOp (2.8 does not)"
+        if _TORCH >= (2, 8) and sim["shows_op"]:  # gloo takes AVG (pytorch PR 149781); the op seen, it is refused
             assert "HCCL (Intel Gaudi) does not take ReduceOp.AVG" in sim["gaudi_avg"]
         assert sim["cncl_ddp_bf16"] is None and sim["gaudi_ddp_bf16"] is None, "DDP's bf16 divide-then-SUM passes"
 
