@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One torch minor between the oldest and the main leg's, rotating: each run picks one of 2.5 ... 2.12 (by the
 # CI run number where the runner gives one, else by the day of the year; MIDDLE_TORCH=2.11 picks it by hand)
-# and says which in the log. A CPU build from the registry (the minors between the legs differ in their Python
-# APIs, not in their CUDA libraries), in a virtual environment of its own, with the torchao tested with that
+# and says which in the log. A CPU build where torch's CPU index answers (the minors between the legs differ in
+# their Python APIs, not in their CUDA libraries), else the registry's CUDA build, in a virtual environment of its own, with the torchao tested with that
 # torch where one is (torch 2.11: torchao 0.17) and none otherwise (fp8's tests then assert the refusal).
 #
 # Not the whole suite (its budget is the other legs'): the version-sensitive tests, the ones that failed on a
@@ -27,7 +27,9 @@ echo "middle torch leg: torch $minor.* (rotating over ${MINORS[*]}), torchao ${t
 "$PYTHON" -m venv .venv-middle
 . .venv-middle/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet "torch==$minor.*" --index-url https://download.pytorch.org/whl/cpu
+# the CPU build where its index answers (a smaller download), else the registry's (a CUDA build; it runs on the CPU)
+python -m pip install --quiet --timeout 15 --retries 0 "torch==$minor.*" --index-url https://download.pytorch.org/whl/cpu \
+    || python -m pip install --quiet "torch==$minor.*"
 python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > .venv-middle/constraints.txt
 [[ -n "$torchao" ]] && echo "torchao==$torchao" >> .venv-middle/constraints.txt
 python -m pip install --quiet -c .venv-middle/constraints.txt -e . pytest pytest-xdist numpy ${torchao:+"torchao==$torchao"}
