@@ -2,8 +2,9 @@
 # One torch minor between the oldest and the main leg's, rotating: each run picks one of 2.5 ... 2.12 (by the
 # CI run number where the runner gives one, else by the day of the year; MIDDLE_TORCH=2.11 picks it by hand)
 # and says which in the log. A CPU build where torch's CPU index answers (the minors between the legs differ in
-# their Python APIs, not in their CUDA libraries), else the registry's CUDA build, in a virtual environment of its own, with the torchao tested with that
-# torch where one is (torch 2.11: torchao 0.17) and none otherwise (fp8's tests then assert the refusal).
+# their Python APIs, not in their CUDA libraries), else the registry's CUDA build, in a virtual environment of
+# its own, with the torchao tested with that torch where one is (torch 2.11: torchao 0.17) and none otherwise
+# (fp8's tests then assert the refusal).
 #
 # Not the whole suite (its budget is the other legs'): the version-sensitive tests, the ones that failed on a
 # torch between the legs before: the simulated accelerator stacks and what their fused optimizers do, FSDP2 and
