@@ -27,12 +27,12 @@ F = TypeVar("F", bound=Callable[..., object])
 
 def eager(fn: F) -> F:
     """Run ``fn``, and all it calls, outside torch.compile."""
-    return _disable_dynamo(fn, recursive=True)  # type: ignore[return-value]
+    return _disable_dynamo(fn, recursive=True)  # type: ignore[return-value]  # torch's disable() is typed loosely; it returns fn wrapped
 
 
 def eager_frame(fn: F) -> F:
     """Do not trace ``fn``'s own frame; the functions it calls are compiled as usual."""
-    return _disable_dynamo(fn, recursive=False)  # type: ignore[return-value]
+    return _disable_dynamo(fn, recursive=False)  # type: ignore[return-value]  # torch's disable() is typed loosely; it returns fn wrapped
 
 
 def untraced(fn: F) -> F:
@@ -40,4 +40,4 @@ def untraced(fn: F) -> F:
     unless marked too: call only builtins and :func:`eager` functions from it."""
     import torch._dynamo.decorators
 
-    return torch._dynamo.decorators.skip(fn)  # type: ignore[no-any-return]
+    return torch._dynamo.decorators.skip(fn)

@@ -72,7 +72,7 @@ def _setup(n: int, device: torch.device, kind: str,
         if kind == "torch":
             scaler.unscale_(opt)
             return torch.nn.utils.clip_grad_norm_(params, 1e9)
-        return scaler.clip_grad_norm_(opt, 1e9)  # type: ignore[attr-defined]
+        return scaler.clip_grad_norm_(opt, 1e9)  # type: ignore[attr-defined]  # amp_backends' GradScaler has it; the name is torch's type
 
     return unscale, clip
 

@@ -39,7 +39,7 @@ from amp_backends.cli.bench import Mode, _quartiles, _ratios, make_step
 from amp_backends.cli.bench_models import MODELS
 
 
-def _timed(be, step) -> float:  # type: ignore[no-untyped-def]
+def _timed(be, step) -> float:  # type: ignore[no-untyped-def]  # a timing helper
     be.synchronize()
     start = time.perf_counter()
     step()

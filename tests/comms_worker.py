@@ -10,7 +10,6 @@ with bfloat16 where torch has it. The collectives of each step are counted as di
 import argparse
 import dataclasses
 import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import amp_backends
 from amp_backends import distributed
 from amp_backends.devices import collectives
+from amp_backends.distributed.counting import count_collectives
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -51,7 +51,7 @@ def bf16_recipe(state: object, bucket: dist.GradBucket) -> torch.futures.Future[
 
 
 def torch_bf16(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    return default_hooks._compress_hook(torch.bfloat16, state, bucket)  # type: ignore[attr-defined]
+    return default_hooks._compress_hook(torch.bfloat16, state, bucket)  # type: ignore[attr-defined]  # torch's private hook, compared against
 
 
 def model() -> torch.nn.Module:
@@ -137,7 +137,7 @@ def refusals() -> dict:
         except distributed.CollectiveError as e:
             out[name] = str(e)
     try:
-        distributed.reduce_in_low_precision(model(), be)  # type: ignore[arg-type]
+        distributed.reduce_in_low_precision(model(), be)  # type: ignore[arg-type]  # the wrong type on purpose: the refusal is the test
     except TypeError as e:
         out["not_ddp"] = str(e)
     out["hooks_after_refusals"] = len(ddp._comm_hooks)
@@ -170,12 +170,16 @@ def simulations() -> dict:
         return None
 
     t64 = torch.ones(4, dtype=torch.float64)
+    with count_collectives() as log:  # whether this torch shows a collective's ReduceOp to Python (2.11 does, 2.8
+        dist.all_reduce(torch.ones(4))  # does not): the simulated library can refuse only an op it sees
+    shows_op = log.reduce_ops() == {"SUM"}
     out = {
         "hccl_fp64_allreduce": attempt(collectives.HCCL, lambda: dist.all_reduce(t64)),
         "cncl_fp64_broadcast": attempt(collectives.CNCL, lambda: dist.broadcast(t64, 0)),
         "gloo_fp64_allreduce": attempt(collectives.GLOO, lambda: dist.all_reduce(t64)),
         "gaudi_avg": attempt(collectives.GAUDI_HCCL, lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.AVG))
-        if _TORCH >= (2, 8) else "not run: older gloo refuses AVG itself and torch 2.4 hides the op",
+        if _TORCH >= (2, 8) and shows_op else "not run: older gloo refuses AVG itself, and this torch hides the op",
+        "shows_op": shows_op,
     }
 
     def ddp_step(dtype: torch.dtype) -> None:

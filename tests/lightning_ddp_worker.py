@@ -64,6 +64,6 @@ Path(args.out, f"rank{rank}.json").write_text(json.dumps({
     "finite": bool(torch.isfinite(params).all()),
     "stats": {"skipped": precision.stats.skipped, "overflows": precision.stats.overflows},
 }))
-from amp_backends import distributed  # noqa: E402
+from amp_backends import distributed
 
 distributed.destroy_process_group()  # barrier, destroy, collect: avoids Gloo's abort at exit

@@ -743,7 +743,9 @@ def test_a_gradient_dropped_while_another_view_is_kept_is_seen_by_refcount():
 
 def _recreating(arena, check, keep_old):
     model = _model()
-    make = lambda: torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    def make() -> torch.optim.AdamW:
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
     opt = make()
     if arena:
         amp_backends.flat_grads(opt, check=check)

@@ -55,6 +55,26 @@ def test_declared_ops_are_the_ones_torch_registers(device_type):
 
 
 @contextlib.contextmanager
+def _cuda_hidden_from_fake(device_type: str):
+    """torch 2.11's fake tensors of an xpu device make a real tensor of it first wherever CUDA is available
+    (``fake_tensor.init_gpu_context`` asks ``torch.cuda.is_available() or torch.xpu.is_available()``; torch
+    2.13 asks whether the device is the current accelerator), which fails on a GPU machine with "Torch not
+    compiled with XPU enabled". For the fake tensors of a device this machine lacks, CUDA is hidden within
+    the block, as ``CUDA_VISIBLE_DEVICES=""`` hides it from the CPU-only workers; nothing in it runs on CUDA."""
+    module = getattr(torch, device_type, None)
+    lacks = device_type != "cuda" and not (callable(getattr(module, "is_available", None)) and module.is_available())
+    if not lacks:
+        yield
+        return
+    cuda_is_available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = cuda_is_available
+
+
+@contextlib.contextmanager
 def _autocast_on_fake(device_type: str, dtype: torch.dtype):
     """torch's own autocast for ``device_type``, switched on directly (torch.autocast refuses a device this
     machine lacks), over fake tensors of that device."""
@@ -65,8 +85,8 @@ def _autocast_on_fake(device_type: str, dtype: torch.dtype):
         pytest.skip(f"torch {torch.__version__} has no {device_type} autocast to switch on here: {exc}")
     torch.set_autocast_dtype(device_type, dtype)
     try:
-        with FakeTensorMode(), torch.no_grad():  # autograd on fake CUDA tensors would ask for the device
-            yield
+        with _cuda_hidden_from_fake(device_type), FakeTensorMode(), torch.no_grad():
+            yield  # (autograd on fake CUDA tensors would ask for the device)
     finally:
         torch.set_autocast_enabled(device_type, was[0])
         torch.set_autocast_dtype(device_type, was[1])

@@ -163,7 +163,7 @@ class OlderVendor(Backend):
         self.answer = answer
 
     def is_available(self) -> bool:
-        return self.answer  # type: ignore[return-value]
+        return self.answer  # type: ignore[return-value]  # the wrong type on purpose: the refusal is the test
 
 
 def test_minimal_vendor_backend_gets_working_defaults():

@@ -262,3 +262,120 @@ def test_info_warns_when_the_extension_is_built_for_another_torch(no_amp_env):
             assert "Warning, torch version mismatch:" in render(data)
     finally:
         amp_backends.registry.default_registry().unregister_plugin("builtfor")
+
+
+# -- plugins written against the contract before the layout ---------------------------------------------
+
+def _registered(plugin_name: str, *objects: object):
+    """Register ``objects`` (backends and kernels) from one in-process plugin through the registry; its record."""
+    class Plugin:
+        @amp_backends.hookimpl
+        def amp_backends_register_backends(self, register):
+            for obj in objects:
+                if isinstance(obj, amp_backends.Backend):
+                    register(obj)
+
+        @amp_backends.hookimpl
+        def amp_backends_register_kernels(self, register):
+            for obj in objects:
+                if isinstance(obj, amp_backends.Kernel):
+                    register(obj)
+
+    amp_backends.register_plugin(Plugin(), name=plugin_name)
+    return next(r for r in amp_backends.plugins() if r.name == plugin_name)
+
+
+@pytest.mark.parametrize("method", ["unscale_and_check_", "check_", "unscale_check_norm_", "check_norm_"])
+def test_a_backend_overriding_an_old_gradient_op_is_refused_at_registration(no_amp_env, method):
+    """Its override would never be called (the scaler runs the kernel's grad_op_): the plugin is refused, named
+    in its record and in get(), with the new spelling."""
+    calls = []
+
+    def old_op(self, grads, found_inf, *rest):
+        calls.append(len(grads))
+
+    Old = type("OldStyle", (amp_backends.Backend,), {
+        "name": "oldstyle", "device_type": "cpu", "default_dtype": torch.bfloat16,
+        "unavailable_reason": lambda self: None, method: old_op})
+    try:
+        record = _registered("oldstyle-plugin", Old())
+        assert record.status == "failed" and "oldstyle" not in amp_backends.names()
+        assert f"OldStyle overrides {method}() of the earlier backend contract" in record.error
+        assert "grad_op_" in record.error and "amp_backends_register_kernels" in record.error
+        with pytest.raises(amp_backends.AmpBackendsError, match=f"overrides {method}"):
+            amp_backends.get("oldstyle")
+    finally:
+        amp_backends.registry.default_registry().unregister_plugin("oldstyle-plugin")
+    assert calls == []
+
+
+@pytest.mark.parametrize("method", ["unscale_and_check_", "check_", "unscale_check_norm_", "check_norm_", "flat_op_"])
+def test_a_kernel_overriding_an_old_op_is_refused_at_registration(no_amp_env, method):
+    Old = type("OldKernel", (amp_backends.Kernel,), {"name": "oldkernel", method: lambda self, *a: None})
+    try:
+        record = _registered("oldkernel-plugin", Old())
+        assert record.status == "failed" and "oldkernel" not in amp_backends.registry.default_registry().kernels()
+        assert f"OldKernel overrides {method}() of the earlier kernel contract" in record.error
+        assert "override grad_op_ instead" in record.error
+    finally:
+        amp_backends.registry.default_registry().unregister_plugin("oldkernel-plugin")
+
+
+def test_calling_an_old_gradient_op_names_its_replacement_which_gives_torchs_result(no_amp_env):
+    be = amp_backends.get("cpu")
+    for method in ("unscale_and_check_", "check_", "unscale_check_norm_", "check_norm_"):
+        assert not hasattr(be, method)
+        with pytest.raises(AttributeError, match=rf"CPUBackend\.{method}\(\) was removed .*grad_op_") as caught:
+            getattr(be, method)
+        assert isinstance(caught.value, amp_backends.AmpBackendsError)
+        assert "amp_backends.testing.grad_op_(backend, grads, found_inf" in str(caught.value)
+    for method in ("unscale_and_check_", "flat_op_"):
+        with pytest.raises(AttributeError, match=rf"TorchKernel\.{method}\(\) was removed .*grad_op_"):
+            getattr(be.kernel, method)
+    with pytest.raises(AttributeError, match="'CPUBackend' object has no attribute 'no_such_method'"):
+        be.no_such_method  # noqa: B018 - the attribute read is the test
+    # the replacement named: the same results as torch's own op on the same gradients
+    grads = [torch.tensor([1.0, 2.0, -4.0]), torch.tensor([[8.0, 0.5]], dtype=torch.bfloat16)]
+    expected = [g.clone() for g in grads]
+    found, want = torch.zeros(()), torch.zeros(())
+    inv = torch.full((), 0.25)
+    grad_op_(be, grads, found, inv)
+    for g in expected:
+        torch._amp_foreach_non_finite_check_and_unscale_([g], want, inv)
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected)) and found.item() == want.item() == 0.0
+
+
+@pytest.mark.parametrize("answer", [True, False])
+def test_a_backend_answering_availability_with_is_available_is_honoured(no_amp_env, answer):
+    """The earlier contract's is_available() (no unavailable_reason()): asked, and its answer taken; a backend
+    it calls available trains."""
+    asked = []
+
+    class Older(amp_backends.Backend):
+        name, device_type, default_dtype = "older", "cpu", torch.bfloat16
+
+        def is_available(self) -> bool:
+            asked.append(True)
+            return answer
+
+    try:
+        record = _registered("older-plugin", Older())
+        assert record.status == "loaded" and "older" in amp_backends.names()
+        assert ("older" in amp_backends.available()) is answer and asked
+        if not answer:
+            with pytest.raises(amp_backends.BackendUnavailableError, match=r"Older\.is_available\(\) returned False"):
+                amp_backends.get("older")
+            return
+        be = amp_backends.get("older")
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = be.grad_scaler()
+        with be.autocast():
+            loss = model(torch.ones(3, 4)).float().sum()
+        scaler.scale(loss).backward()
+        before = model.weight.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        assert not torch.equal(before, model.weight) and be.is_available() is True
+    finally:
+        amp_backends.registry.default_registry().unregister_plugin("older-plugin")

@@ -5,6 +5,7 @@ torch_musa refuses fused Adam and AdamW), checked against torch's own scaler, wh
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -20,6 +21,16 @@ from test_mlu import needs_sim_device
 
 NPU = [sim_packages_path("npu")]
 MUSA = [sim_packages_path("musa")]
+#: Whether this torch's Adagrad(fused=True) takes part in the grad_scale/found_inf protocol (2.13 does,
+#: 2.11 does not: its scaler steps it as a plain optimizer).
+def _fused_adagrad() -> torch.optim.Adagrad | None:
+    try:
+        return torch.optim.Adagrad([torch.zeros(1, requires_grad=True)], fused=True)
+    except (TypeError, RuntimeError):  # a torch without fused Adagrad
+        return None
+
+
+ADAGRAD_TAKES_FOUND_INF = bool(getattr(_fused_adagrad(), "_step_supports_amp_scaling", False))
 
 
 class IgnoringAdam(torch.optim.Adam):
@@ -280,6 +291,35 @@ def test_a_kernel_the_device_cannot_run_is_refused_before_anything_changes(cls, 
     assert scaler._per_optimizer_states[id(opt)]["stage"].name == "READY"
 
 
+@pytest.mark.skipif(_fused_adagrad() is None, reason="this torch has no Adagrad(fused=True)")
+def test_a_fused_optimizer_outside_the_protocol_steps_plainly_or_is_refused():
+    """torch 2.11's Adagrad(fused=True) sets no _step_supports_amp_scaling: torch's scaler unscales and steps it
+    as a plain optimizer. Ours does the same where the device has the kernel, and refuses it, before anything
+    changes, where the device declares none (rather than torch's dispatcher error after the unscale)."""
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1, fused=True)
+    opt._step_supports_amp_scaling = False  # as torch 2.11 builds it
+    assert fused.runs_fused_kernel(opt) and not fused.runs_fused_kernel(torch.optim.Adagrad(model.parameters()))
+    absent = amp_backends.GradScaler(_backend(adagrad=fused.ABSENT), init_scale=16.0)
+    absent.scale(model(torch.ones(2, 3)).sum()).backward()
+    scaled = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"Adagrad\(fused=True\) cannot run on 'cpu-declaring' \(absent\)"):
+        absent.step(opt)
+    assert all(torch.equal(a, p.grad) for a, p in zip(scaled, model.parameters())), "nothing unscaled"
+    # where the kernel exists: torch's own scaler on the same optimizer is the reference
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.1, fused=True)
+    ref_opt._step_supports_amp_scaling = False
+    for m, o, scaler in ((model, opt, amp_backends.GradScaler(_backend(), init_scale=16.0)),
+                         (reference, ref_opt, torch.amp.GradScaler("cpu", init_scale=16.0))):
+        o.zero_grad()
+        scaler.scale(m(torch.ones(2, 3)).sum()).backward()
+        scaler.step(o)
+        scaler.update()
+    assert type(amp_backends.GradScaler(_backend(), init_scale=16.0)._plan(opt)).__name__ == "Plain"
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+
+
 def test_the_probe_runs_once_per_class_and_defaults():
     be = _backend()
     calls = []
@@ -445,7 +485,10 @@ def test_npu_fused_optimizers_through_the_scaler_train_as_the_unfused_ones_on_th
     for kind in ("adam", "adagrad", "sgd"):
         assert out[kind]["ours_is_unfused"], (kind, out[kind])
     assert out["sgd"]["plan"] == "UnscaledFused" and out["sgd"]["torch_scaler_is_unfused"] is False
-    assert out["adam"]["plan"] == out["adagrad"]["plan"] == "Fused"
+    assert out["adam"]["plan"] == "Fused"
+    # torch 2.11's Adagrad(fused=True) takes no grad_scale/found_inf (no _step_supports_amp_scaling): torch's scaler
+    # unscales first and skips from the host, and so does ours
+    assert out["adagrad"]["plan"] == ("Fused" if ADAGRAD_TAKES_FOUND_INF else "Plain")
     assert out["adam"]["torch_scaler_is_unfused"] and out["adagrad"]["torch_scaler_is_unfused"]
     for kind, op in (("adam", "_fused_adam_"), ("adagrad", "_fused_adagrad_")):
         assert out[kind]["fell_back"] == [f"CAUTION: The operator 'aten::{op}' is not currently supported on the NPU "

@@ -361,11 +361,11 @@ class DropNonfinite(torch.autograd.Function):
     """Passes the gradient on with inf/NaN replaced by 0: what a layer guarding its backward does."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]  # autograd.Function's forward, typed by torch as Any
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]  # autograd.Function's backward, typed by torch as Any
         return torch.where(torch.isfinite(g), g, torch.zeros_like(g))
 
 

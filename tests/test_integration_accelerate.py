@@ -9,12 +9,12 @@ import pytest
 import torch
 
 accelerate = pytest.importorskip("accelerate")
-from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-from accelerate.utils import AutocastKwargs  # noqa: E402
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import AutocastKwargs
 
-from amp_backends import AmpBackendsError, GradScaler, PerformanceWarning  # noqa: E402
-from amp_backends.integrations.accelerate import prepare  # noqa: E402
+from amp_backends import AmpBackendsError, GradScaler, PerformanceWarning
+from amp_backends.integrations.accelerate import prepare
 
 INJECT = 2
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 L = pytest.importorskip("lightning")
-from amp_backends import PerformanceWarning  # noqa: E402
-from amp_backends.integrations.lightning import AmpPrecision  # noqa: E402
+from amp_backends import PerformanceWarning
+from amp_backends.integrations.lightning import AmpPrecision
 
 HERE = Path(__file__).resolve().parent
 INJECT = 2

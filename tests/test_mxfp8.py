@@ -285,6 +285,8 @@ def test_a_torchao_without_the_mx_layer_is_refused_naming_the_version_to_install
     interpreter where torchao is installed."""
     if fp8_engine.unavailable_reason() is not None:
         pytest.skip(f"needs a usable torchao to hide its MX layer: {fp8_engine.unavailable_reason()}")
+    if fp8_engine.too_old_reason("mxfp8", fp8_engine.torchao_version()) is not None:
+        pytest.skip("the installed torchao is older than the MX layer: the test below runs it as it is")
     from conftest import run_json
 
     out = run_json("""
@@ -301,6 +303,34 @@ def test_a_torchao_without_the_mx_layer_is_refused_naming_the_version_to_install
     """)
     assert out["error"].startswith("Fp8UnavailableError: MXFP8 training needs torchao's MXFP8Linear")
     assert "pip install 'torchao>=0.18'" in out["error"] and out["fp8"] is None  # float8 still works
+
+
+def test_each_feature_names_the_torchao_it_needs():
+    assert fp8_engine.NEEDS_TORCHAO == {"fp8": "0.17", "mxfp8": "0.18"}
+    for version in ("0.17.0", "0.17.1+cu130", "0.10.0"):
+        assert "pip install 'torchao>=0.18'" in fp8_engine.too_old_reason("mxfp8", version)
+        assert f"the installed torchao is {version}" in fp8_engine.too_old_reason("mxfp8", version)
+    for version in ("0.18.0", "0.18.0rc1", "0.19.0.dev20261101", "1.0", None, "?"):
+        assert fp8_engine.too_old_reason("mxfp8", version) is None, version
+    assert "fp8 training needs torchao 0.17 or newer" in fp8_engine.too_old_reason("fp8", "0.16.1")
+    assert fp8_engine.too_old_reason("fp8", "0.17.0") is None
+
+
+def test_a_torchao_older_than_the_mx_layer_trains_fp8_and_refuses_only_mx():
+    """On the installed torchao as it is (torchao 0.17 has float8 training and no MX layer): the float8
+    recipes work; MXFP8 is refused naming the release to install."""
+    too_old = fp8_engine.too_old_reason("mxfp8", fp8_engine.torchao_version())
+    if too_old is None or fp8_engine.unavailable_reason() is not None:
+        pytest.skip(f"needs a torchao with float8 training and without the MX layer (installed: "
+                    f"{fp8_engine.torchao_version()})")
+    assert fp8_engine.mx_unavailable_reason() == too_old
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    with pytest.raises(Fp8UnavailableError, match=r"pip install 'torchao>=0\.18'"):
+        precision_policy(model, fp32=[], fp8=[nn.Linear], fp8_recipe="mxfp8", emulate=True, backend="cpu")
+    assert not any(type(m) is not nn.Linear for m in model if isinstance(m, nn.Linear)), "nothing converted"
+    policy = precision_policy(model, fp32=[], fp8=[nn.Linear], fp8_recipe="tensorwise", emulate=True, backend="cpu")
+    assert len(policy.fp8) == 2
+    policy.remove()
 
 
 @needs_mx

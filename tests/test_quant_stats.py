@@ -21,7 +21,7 @@ from amp_backends.precision import quantize
 from amp_backends.precision.formats import AXIS, OPERANDS, spec
 from amp_backends.precision.fp8 import engine as fp8_engine
 
-from fp8_marks import NO_FP8, NO_MX, needs_mx, needs_torchao
+from fp8_marks import needs_mx, needs_torchao
 
 HAS_FLOAT8 = hasattr(torch, "float8_e4m3fn")
 

@@ -58,7 +58,7 @@ def test_unknown_backend_lists_known_and_closest(no_amp_env):
     assert "Did you mean 'cuda'?" in message and "Known backends: cpu, cuda" in message
     assert isinstance(info.value, LookupError)
     with pytest.raises(TypeError, match="must be a string"):
-        amp_backends.get(3)  # type: ignore[arg-type]
+        amp_backends.get(3)  # type: ignore[arg-type]  # the wrong type on purpose: the refusal is the test
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA is available here")
@@ -357,7 +357,7 @@ def test_submodules_load_on_first_use():
     )
     assert out == [[], True]
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
-        amp_backends.nope  # noqa: B018
+        amp_backends.nope  # noqa: B018 - the attribute read is the test
 
 
 @pytest.mark.parametrize(("env", "acme_loaded", "warned"), [

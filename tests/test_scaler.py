@@ -207,7 +207,7 @@ def test_empty_or_foreign_state_dict():
     with pytest.raises(StateDictError, match="empty: it was saved from a disabled scaler"):
         scaler.load_state_dict({})
     with pytest.raises(StateDictError, match="must be a dict"):
-        scaler.load_state_dict([1, 2])  # type: ignore[arg-type]
+        scaler.load_state_dict([1, 2])  # type: ignore[arg-type]  # the wrong type on purpose: the refusal is the test
     disabled = GradScaler("cpu", enabled=False)
     assert disabled.state_dict() == {}
     disabled.load_state_dict({"anything": 1})  # a disabled scaler loads nothing, like torch's

@@ -32,7 +32,7 @@ def test_is_a_torch_grad_scaler_and_takes_device_as_torch_spells_it():
     with pytest.raises(ValueError, match="device='cuda' was also given"):
         GradScaler("cpu", device="cuda")
     with pytest.raises(TypeError, match="backend must be a backend name.*known backends: .*cpu"):
-        GradScaler(3)  # type: ignore[arg-type]
+        GradScaler(3)  # type: ignore[arg-type]  # the wrong type on purpose: the refusal is the test
     with pytest.raises(amp_backends.UnknownBackendError, match="no backend serves device type 'meta'"):
         GradScaler(device="meta")
 

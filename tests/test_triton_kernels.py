@@ -15,11 +15,11 @@ if not CUDA:
 
 pytest.importorskip("triton", reason="the triton extra is not installed")
 
-import amp_backends  # noqa: E402
-from amp_backends.gradients.groups import TensorGroup  # noqa: E402
-from amp_backends_plugins.triton import TritonKernel, _kernels  # noqa: E402
+import amp_backends
+from amp_backends.gradients.groups import TensorGroup
+from amp_backends_plugins.triton import TritonKernel, _kernels
 
-from conftest import run_json  # noqa: E402
+from conftest import run_json
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

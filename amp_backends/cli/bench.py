@@ -152,7 +152,7 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
                 opt.zero_grad(set_to_none=True)
                 loss_of(model, x, y).backward()
                 opt.step()
-        full_step.model, full_step.optimizer = model, opt  # type: ignore[attr-defined]
+        full_step.model, full_step.optimizer = model, opt  # type: ignore[attr-defined]  # the step carries what the ledger classifies
         return full_step
     fp16 = mode.dtype == torch.float16
     net, optimizer = model, opt
@@ -169,10 +169,10 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
         optimizer = memory_lean(net, sr, backend=be, weights=torch.bfloat16, master=False, lm_head=lm_head).optimizer
     if mode.via in ("amp", "lean", "lean-rc", "lean-sr"):
         scaler: Any = be.grad_scaler(mode.dtype)
-        autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731
+        autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731 - one of two one-line choices
     else:
         scaler = torch.amp.GradScaler(be.device_type, enabled=fp16)
-        autocast = lambda: torch.autocast(be.device_type, dtype=mode.dtype)  # noqa: E731
+        autocast = lambda: torch.autocast(be.device_type, dtype=mode.dtype)  # noqa: E731 - one of two one-line choices
 
     def amp_step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -181,7 +181,7 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-    amp_step.model, amp_step.optimizer = net, optimizer  # type: ignore[attr-defined]
+    amp_step.model, amp_step.optimizer = net, optimizer  # type: ignore[attr-defined]  # the step carries what the ledger classifies
     return amp_step
 
 

@@ -47,7 +47,7 @@ def _sr_unavailable() -> str | None:
     if importlib.util.find_spec("torchao") is None:
         return "needs torchao's optimizers (pip install 'amp-backends[fp8]')"
     try:
-        from torchao.optim import _AdamW  # noqa: F401
+        from torchao.optim import _AdamW  # noqa: F401 - imported to see whether it imports
     except Exception as exc:  # noqa: BLE001 - an import that fails is the reason
         return f"torchao's AdamW cannot be imported: {type(exc).__name__}: {exc}"
     return None
@@ -77,11 +77,11 @@ def _eager_torchao() -> Iterator[None]:
     """torchao's optimizers compile their update; counted on fake tensors it runs eagerly (its
     temporaries an upper bound of the compiled step's; the optimizer's phase is not where the peak is)."""
     saved = torch.compile
-    torch.compile = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)  # type: ignore[assignment]
+    torch.compile = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)  # type: ignore[assignment]  # compile switched off for the measurement, put back after
     try:
         yield
     finally:
-        torch.compile = saved  # type: ignore[assignment]
+        torch.compile = saved
 
 
 def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *, fake: bool,

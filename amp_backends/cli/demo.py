@@ -256,7 +256,7 @@ def _identity(cfg: DemoConfig, be: Backend, dtype: torch.dtype) -> dict[str, Any
 def _save(cfg: DemoConfig, be: Backend, dtype: torch.dtype, model: torch.nn.Module, opt: torch.optim.Optimizer,
           scaler: Any, epoch: int, history: list[float]) -> None:
     checkpoint.save(
-        cfg.checkpoint,  # type: ignore[arg-type]
+        cfg.checkpoint,  # type: ignore[arg-type]  # called only where cfg.checkpoint is set
         {
             "epoch": epoch,
             "config": _identity(cfg, be, dtype),

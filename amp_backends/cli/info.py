@@ -39,12 +39,12 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
             native = backend.native_dtypes() if reason is None else supported
             native_names = [_dtype(d) for d in native]
             emulated = {_dtype(d): backend.emulation_reason(d) for d in supported if d not in native}
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure is shown in its row, not a crash
             dtypes, native_names, emulated = [f"error: {exc}"], [], {}
         kernel_error = None
         try:
             kernel = backend.kernel.name
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure is shown in its row, not a crash
             kernel, kernel_error = "error", str(exc)
         rejected = registry.kernel_rejections(backend.device_type)
         if rejected and kernel_error is None:
@@ -55,7 +55,7 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
             described = f"(describe() failed: {type(exc).__name__}: {exc})"
         try:
             fp32_note = backend.fp32_note() if reason is None else None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure is shown in its row, not a crash
             fp32_note = f"(fp32_note() failed: {type(exc).__name__}: {exc})"
         try:
             fp8_dtypes = [_dtype(d) for d in backend.fp8_dtypes()] if reason is None else []
@@ -112,7 +112,7 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
         with warnings.catch_warnings():  # an unusable accelerator's reason is in the table already
             warnings.filterwarnings("ignore", message="torch reports a usable", category=RuntimeWarning)
             best = registry.get().name
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - no usable backend is reported, with why
         chosen = os.environ.get("AMP_BACKEND", "").strip()
         if chosen and chosen.lower() != "auto":
             env_error = str(exc) if str(exc).startswith("AMP_BACKEND=") else f"AMP_BACKEND={chosen!r} cannot be used: {exc}"

@@ -25,7 +25,7 @@ class CLIError(AmpBackendsError):
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block): ``amp-backends demo: error: ...``."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> None:  # type: ignore[override]  # argparse's error is typed NoReturn; ours exits too
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -119,18 +119,14 @@ def _check_plot_path(path: str) -> None:
         raise CLIError("--plot needs matplotlib: pip install 'amp-backends[plot]'")
 
 
-def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                      line: str | None = None) -> str:
-    """Warnings as the command's own words: no source line of the package's code."""
-    return f"amp-backends: warning: {message}\n"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; bad input is one line on stderr and exit status 2, never a traceback."""
     import warnings
 
+    from .warning_format import format_warning
+
     args = _parser().parse_args(argv)
-    warnings.formatwarning = _one_line_warning
+    warnings.formatwarning = format_warning  # the package's own warnings in its words; others' as Python prints them
     try:
         return _run(args)
     except BrokenPipeError:  # the reader stopped early (`amp-backends info | head -1`): not an error

@@ -22,6 +22,7 @@ from . import accelerator
 from . import autocast_lists as autocast_lists_
 from .autocast_lists import AutocastLists
 from .collectives import Collectives
+from .old_contract import BACKEND_METHODS, Removed
 
 __all__ = ["FP8_RECIPES", "MX_FORMATS", "Device", "dtype_name"]
 
@@ -226,7 +227,7 @@ class Device:
         (gradient accumulation, several losses) do not run it: an overflow in an early
         micro-batch must survive until the step reads it."""
         if self.global_overflow_status:
-            self.clear_overflow_status()  # type: ignore[attr-defined]
+            self.clear_overflow_status()  # type: ignore[attr-defined]  # declared with global_overflow_status (checked at registration)
 
     # -- the device -------------------------------------------------------------------------
     def device(self, index: int | None = None) -> torch.device:
@@ -250,7 +251,7 @@ class Device:
         if callable(query):
             return int(query())
         found, value = accelerator.memory_call(self.device_type, "max_memory_allocated")
-        return int(value) if found else None  # type: ignore[call-overload]
+        return int(value) if found else None  # type: ignore[call-overload]  # the accelerator's answer is an int where found
 
     def reset_peak_memory_stats(self) -> None:
         """Start a new peak-memory measurement, where the device tracks one."""
@@ -259,6 +260,12 @@ class Device:
             reset()
         else:
             accelerator.memory_call(self.device_type, "reset_peak_memory_stats")
+
+    # -- the earlier contract's gradient op (the kernel's grad_op_ now): named where read, refused where overridden
+    unscale_and_check_ = Removed(BACKEND_METHODS)
+    check_ = Removed(BACKEND_METHODS)
+    unscale_check_norm_ = Removed(BACKEND_METHODS)
+    check_norm_ = Removed(BACKEND_METHODS)
 
     #: Instance attributes (dicts) where a device keeps what it asked the device once;
     #: :meth:`forget_probes` empties them. A device with caches of its own names them here.

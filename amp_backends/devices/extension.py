@@ -92,7 +92,7 @@ class ExtensionDevice(Device):
         try:
             count = int(module.device_count())
             available = bool(module.is_available())
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a vendor query that fails is the reason, said
             return f"torch.{self.device_type} failed to query devices: {type(exc).__name__}: {exc}"
         if not available or count == 0:
             hint = self._visibility_hint()

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from .contract import Device
 
 __all__ = ["ABSENT", "HONOURS", "IGNORES", "PROBE_SCALE", "REFUSED", "REJECTS", "SCALE_BLIND", "STATUSES",
-           "FusedKernel", "forget", "kernel_of", "kind_of", "probe"]
+           "FusedKernel", "forget", "kernel_of", "kind_of", "probe",
+           "runs_fused_kernel"]
 
 #: The kernel skips the step when handed found_inf = 1 and divides the gradients by grad_scale
 #: otherwise (torch's own kernels, torch_mlu's).
@@ -116,6 +117,13 @@ def kind_of(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
+def runs_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's optimizers with ``fused=True`` in a parameter group (it then
+    runs a fused kernel whether or not it sets ``_step_supports_amp_scaling``)."""
+    return any(isinstance(optimizer, cls) for cls, _ in _KINDS) and \
+        any(group.get("fused") for group in optimizer.param_groups)
+
+
 def probe(optimizer: torch.optim.Optimizer, device: torch.device) -> FusedKernel:
     """Step ``optimizer``'s class, with its defaults, on a 4-element parameter on ``device``, twice:
 
@@ -167,8 +175,8 @@ def _skips(optimizer: torch.optim.Optimizer, device: torch.device, hand_over: bo
     param = _probe_param(device, PROBE_SCALE)
     opt = type(optimizer)([param], **_defaults(optimizer))
     if hand_over:
-        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]
-        opt.found_inf = torch.ones((), device=device)  # type: ignore[attr-defined]
+        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
+        opt.found_inf = torch.ones((), device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
     opt.step()
     return bool(torch.equal(param.detach().cpu(), torch.tensor(_PARAM)))
 
@@ -180,7 +188,7 @@ def _without_hand_over(optimizer: torch.optim.Optimizer, device: torch.device, w
         _skips(optimizer, device, hand_over=False)
     except NotImplementedError as exc:
         return FusedKernel(ABSENT, f"{where}: {_first_line(exc)}")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - the extension's own refusal, its message kept
         return FusedKernel(REFUSED, f"{where}: {type(exc).__name__}: {_first_line(exc)}")
     return FusedKernel(REJECTS, f"{where}: {type(first).__name__}: {_first_line(first)}")
 
@@ -198,8 +206,8 @@ def _stepped(optimizer: torch.optim.Optimizer, device: torch.device, fused: bool
         kwargs.update({k: False for k in ("fused", "foreach") if k in accepted})
     opt = type(optimizer)([param], **kwargs)
     if fused:
-        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]
-        opt.found_inf = torch.zeros((), device=device)  # type: ignore[attr-defined]
+        opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
+        opt.found_inf = torch.zeros((), device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
     opt.step()
     state = opt.state[param]
     return [param.detach().cpu().float()] + [state[k].detach().cpu().float() for k in sorted(state)

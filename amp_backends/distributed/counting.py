@@ -78,7 +78,7 @@ class CollectiveLog:
 
 
 def reduce_op_name(reduce_op: Any) -> str | None:
-    """The name of a c10d op's ReduceOp argument ("SUM", "AVG" ...), or None where torch does not show it (2.4)."""
+    """The name of a c10d op's ReduceOp argument ("SUM", "AVG" ...), or None where torch does not show it (2.4, 2.8)."""
     import torch.distributed as dist
 
     names = {int(v): n for n, v in dist.ReduceOp.RedOpType.__members__.items()}

@@ -77,7 +77,7 @@ def _divide_then_sum(divisor: int) -> Any:
 def _can_divide_then_sum() -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # noqa: F401
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # noqa: F401 - imported to see whether this torch has it
     except ImportError:
         return False
     return all(hasattr(FSDPModule, m) for m in ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",

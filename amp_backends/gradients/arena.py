@@ -350,7 +350,7 @@ class FlatGrads:
             delattr(optimizer, _ATTR)
         if optimizer.__dict__.get("zero_grad") == self.zero_grad:
             if self._own_zero_grad is not None:
-                optimizer.zero_grad = self._own_zero_grad  # type: ignore[method-assign]
+                optimizer.zero_grad = self._own_zero_grad  # type: ignore[method-assign]  # the arena's zero_grad stands in for the optimizer's
             else:
                 del optimizer.zero_grad
 
@@ -387,7 +387,7 @@ def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = CHECKS[0]) -> F
     others = holders((p for g in optimizer.param_groups for p in g["params"]), previous)
     arena = FlatGrads(optimizer, check)
     setattr(optimizer, _ATTR, arena)
-    optimizer.zero_grad = arena.zero_grad  # type: ignore[method-assign]
+    optimizer.zero_grad = arena.zero_grad  # type: ignore[method-assign]  # the arena's zero_grad stands in for the optimizer's
     take_over(others)
     return arena
 

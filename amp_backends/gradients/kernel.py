@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..devices.old_contract import KERNEL_METHODS, Removed
 from .groups import FlatGroup, GradGroup, TensorGroup
 
 __all__ = ["Kernel", "TORCH_KERNEL", "TorchKernel", "add_sum_of_squares", "through_float32"]
@@ -88,6 +89,13 @@ class Kernel:
         is zero). Within what the device's op accepts: the executor hands over only those dtypes and
         sizes (the device's ``unscale_dtypes``, ``max_tensor_elements``). The default is torch's op."""
         torch_op_(group, found_inf, inv_scale, norm_sq)
+
+    # the earlier contract's ops (grad_op_ now): named where read, refused at registration where overridden
+    unscale_and_check_ = Removed(KERNEL_METHODS)
+    check_ = Removed(KERNEL_METHODS)
+    unscale_check_norm_ = Removed(KERNEL_METHODS)
+    check_norm_ = Removed(KERNEL_METHODS)
+    flat_op_ = Removed(KERNEL_METHODS)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -22,14 +22,14 @@ def kernel_self_check(kernel: Kernel, device: torch.device) -> str | None:
     reported, not propagated."""
     threshold = getattr(kernel, "min_elements", None)
     if threshold:  # a kernel that hands small inputs to torch is checked on its own code too
-        kernel.min_elements = 0  # type: ignore[attr-defined]
+        kernel.min_elements = 0  # type: ignore[attr-defined]  # the Triton kernel's size threshold, lowered for the check
     try:
         return _self_check_problem(kernel, device)
     except Exception as exc:  # noqa: BLE001 - a broken kernel is a finding, not a crash
         return f"raised {type(exc).__name__}: {exc}"
     finally:
         if threshold:
-            kernel.min_elements = threshold  # type: ignore[attr-defined]
+            kernel.min_elements = threshold  # type: ignore[attr-defined]  # the Triton kernel's size threshold, put back
 
 
 #: The self-check's long gradients: longer than any block of the Triton kernel's (on GPUs 4096 fp32

@@ -98,7 +98,7 @@ def _loss_of(output: Any, loss_fn: Callable[[Any], Any] | None, params: list[tor
     if loss_fn is None:
         floats = [t for t in tree_leaves(output)
                   if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-        return sum(t.float().mean() for t in floats) if floats and params else None  # type: ignore[return-value]
+        return sum(t.float().mean() for t in floats) if floats and params else None  # type: ignore[return-value]  # a sum of 0-dim tensors is a tensor
     loss = loss_fn(output)
     if not isinstance(loss, torch.Tensor):
         raise CheckError(f"check_model: loss_fn must return a scalar tensor, got {type(loss).__name__} {loss!r}")

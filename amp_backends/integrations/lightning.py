@@ -60,24 +60,24 @@ class AmpPrecision(ScalerSignals, Precision):
             yield
 
     # -- backward: the Trainer scales in pre_backward and runs its hooks; Fabric in backward
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:  # type: ignore[override]
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         if _trainer_of(module) is None:
             return tensor
         return super().pre_backward(self.scaler.scale(tensor), module)
 
-    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         if _trainer_of(model) is not None:
             super().backward(tensor, model, *args, **kwargs)
         else:
             self.scaler.scale(tensor).backward(*args, **kwargs)
 
-    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:  # type: ignore[override]
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> Any:
         if _trainer_of(module) is None:
             return tensor
         return super().post_backward(tensor, module)
 
     # -- step -----------------------------------------------------------------------------
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(
         self, optimizer: Any, model: Any = None, closure: Callable[[], Any] | None = None, **kwargs: Any
     ) -> Any:
         if isinstance(optimizer, torch.optim.LBFGS) and self.scaler.is_enabled():

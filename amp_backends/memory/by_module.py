@@ -70,7 +70,7 @@ def saved_by_module(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     if lean:
         try:
             twin = copy.deepcopy(model)
-        except Exception as exc:  # a model deepcopy refuses: report the plain figures alone
+        except Exception as exc:  # noqa: BLE001 - a model deepcopy refuses: report the plain figures alone
             why = f"the model could not be copied to measure memory_lean ({type(exc).__name__}: {exc})"
         else:
             try:

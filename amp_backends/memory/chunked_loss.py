@@ -304,7 +304,7 @@ def lazy_head(module: nn.Linear) -> _LazyHead:
     if isinstance(held, _LazyHead):
         return held
     wrapper = _LazyHead(module, held)
-    module.forward = wrapper  # type: ignore[method-assign]
+    module.forward = wrapper  # type: ignore[method-assign]  # the forward is wrapped per instance
     return wrapper
 
 
@@ -315,4 +315,4 @@ def undo_lazy_head(module: nn.Linear) -> None:
         if wrapper.previous is None:
             del module.__dict__["forward"]
         else:
-            module.forward = wrapper.previous  # type: ignore[method-assign]
+            module.forward = wrapper.previous  # type: ignore[method-assign]  # the instance's own forward put back

@@ -55,7 +55,7 @@ def on_meta_then_fake(build: Callable[[], nn.Module]) -> nn.Module:
                 if id(p) not in made:
                     made[id(p)] = nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="cpu"),
                                                p.requires_grad)
-                module._parameters[name] = made[id(p)]  # type: ignore[assignment]
+                module._parameters[name] = made[id(p)]  # type: ignore[assignment]  # a fake tensor stands in for the parameter
         for name, b in list(module._buffers.items()):
             if b is not None:
                 if id(b) not in made:

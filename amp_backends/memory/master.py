@@ -119,12 +119,11 @@ class MasterWeights(torch.optim.Optimizer):
         self._warned_new = self._warned_changed = False
         self.sync()
 
-    # -- the wrapped optimizer's groups and state are this one's ----------------------------------------
-    @property  # type: ignore[override]  # a view of the wrapped optimizer's groups, not torch's attribute
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]  # likewise its state, keyed by the model's parameters
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 

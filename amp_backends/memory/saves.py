@@ -144,7 +144,7 @@ class LowPrecisionSaves:
                 if wrapper.previous is None:
                     del m.__dict__["forward"]
                 else:
-                    m.forward = wrapper.previous  # type: ignore[method-assign]
+                    m.forward = wrapper.previous
         self.modules = []
 
 
@@ -158,6 +158,6 @@ def low_precision_saves(model: nn.Module) -> LowPrecisionSaves:
     changed = []
     for m in model.modules():
         if type(m) in TYPES and not isinstance(m.__dict__.get("forward"), _SavesLow):
-            m.forward = _SavesLow(m, m.__dict__.get("forward"))  # type: ignore[method-assign]
+            m.forward = _SavesLow(m, m.__dict__.get("forward"))
             changed.append(m)
     return LowPrecisionSaves(changed)

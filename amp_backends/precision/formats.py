@@ -113,7 +113,7 @@ def check_formats(formats: object, argument: str) -> tuple[str, ...]:
     if isinstance(formats, str):
         formats = (formats,)
     try:
-        names = tuple(formats)  # type: ignore[arg-type]
+        names = tuple(formats)  # type: ignore[arg-type]  # not iterable: the TypeError below says so
     except TypeError:
         raise TypeError(f"{argument} takes format names ({', '.join(FORMATS)}), got {type(formats).__name__}") from None
     unknown = [f for f in names if f not in FORMATS]

@@ -115,7 +115,7 @@ def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tens
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         return loss.float().reshape(())
     leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return sum(t.float().mean() for t in leaves)  # type: ignore[return-value]
+    return sum(t.float().mean() for t in leaves)  # type: ignore[return-value]  # a sum of 0-dim tensors is a tensor
 
 
 def _availability(backend: Any, fmts: tuple[str, ...], emulate: bool) -> dict[str, str]:

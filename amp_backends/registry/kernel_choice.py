@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 
 from ..devices.contract import Device
+from ..devices.old_contract import KERNEL_METHODS, refusal
 from ..errors import BackendUnavailableError, DuplicateBackendError
 from ..gradients.kernel import TORCH_KERNEL, Kernel
 from .environment import forced_kernel
@@ -28,6 +29,9 @@ class KernelChoice:
         """A plugin's ``register(kernel)``."""
         if not isinstance(kernel, Kernel):
             raise TypeError(f"register() takes an amp_backends.Kernel instance, got {type(kernel).__name__}")
+        old = refusal(kernel, KERNEL_METHODS, "kernel")
+        if old is not None:
+            raise TypeError(old)
         key = kernel.name.lower()
         if key == TORCH_KERNEL.name or key in self.kernels:
             owner = "amp-backends" if key == TORCH_KERNEL.name else self.kernels[key][1].package
@@ -47,9 +51,9 @@ class KernelChoice:
         kept on the device."""
         pinned = device.__dict__.get("_kernel")
         if pinned is not None:
-            return pinned  # type: ignore[no-any-return]
+            return pinned
         kernel = self._choose(device)
-        device._kernel = kernel  # type: ignore[attr-defined]
+        device._kernel = kernel  # type: ignore[attr-defined]  # the chosen kernel kept on the device
         return kernel
 
     def _choose(self, device: Device) -> Kernel:

@@ -161,7 +161,7 @@ class Registry:
         self._records[record.name] = record
         try:
             self._pm.register(plugin, name=record.name)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a plugin pluggy refuses fails alone, recorded
             record.fail(exc)
             return False
         return True

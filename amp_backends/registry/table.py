@@ -13,6 +13,7 @@ import inspect
 import torch
 
 from ..devices.contract import Device
+from ..devices.old_contract import BACKEND_METHODS, refusal
 from .records import PluginRecord
 
 __all__ = ["BackendTable", "check_fields"]
@@ -39,6 +40,9 @@ def check_fields(backend: Device) -> None:
     if not isinstance(backend.default_dtype, torch.dtype) or not backend.default_dtype.is_floating_point:
         raise TypeError(f"{cls}.default_dtype must be a floating torch.dtype (torch.float16, torch.bfloat16), "
                         f"got {type(backend.default_dtype).__name__} {backend.default_dtype!r}")
+    old = refusal(backend, BACKEND_METHODS, "backend")
+    if old is not None:
+        raise TypeError(old)
     declared = inspect.getattr_static(backend, "global_overflow_status", False)  # a property is not asked now
     if (declared is True or isinstance(declared, property)) and not all(
             callable(getattr(type(backend), m, None)) for m in ("clear_overflow_status", "read_overflow_status_")):

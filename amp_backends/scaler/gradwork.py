@@ -55,7 +55,7 @@ class GradientOp:
             if not found and consensus.ranks_agree_on_status(self.process_group):
                 # no gradient on this rank: it reads its status and still takes part in the agreement the
                 # other ranks wait in (torch_npu always all-reduces)
-                self.device.read_overflow_status_(found_inf)  # type: ignore[attr-defined]
+                self.device.read_overflow_status_(found_inf)  # type: ignore[attr-defined]  # declared with global_overflow_status (checked at registration)
                 found = {found_inf.device: found_inf}
             if found:
                 self.status_overflow = consensus.share_status(found, self.status_overflow, self.process_group)

@@ -67,11 +67,11 @@ class Record:
 
     @property
     def stage(self) -> OptState:
-        return self._state["stage"]  # type: ignore[no-any-return]
+        return self._state["stage"]
 
     @property
     def found(self) -> dict[torch.device, torch.Tensor]:
-        return self._state["found_inf_per_device"]  # type: ignore[no-any-return]
+        return self._state["found_inf_per_device"]
 
     def checked(self, found: dict[torch.device, torch.Tensor]) -> None:
         self._state["found_inf_per_device"] = found
@@ -280,8 +280,8 @@ class Fused(_OnDevice):
         else:
             grad_scale = getattr(optimizer, "grad_scale", None)
         found = record.found
-        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-        optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
+        optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
         return False, args, kwargs
 
 
@@ -309,8 +309,8 @@ class UnscaledFused(_OnDevice):
         if record.stage is OptState.READY:
             unscale(scaler, optimizer, funcname="step")
         found = record.found
-        optimizer.grad_scale = None  # type: ignore[attr-defined]
-        optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]
+        optimizer.grad_scale = None  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
+        optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
         return False, args, kwargs
 
     def __repr__(self) -> str:
@@ -364,10 +364,17 @@ FUSED, OPTIMIZER_OWNED = Fused(), OptimizerOwned()
 def choose(scaler: Scaling, optimizer: torch.optim.Optimizer) -> Plan:
     """The plan ``optimizer``'s steps follow under ``scaler``: from whether scaling is on, whether the
     optimizer is fused (``_step_supports_amp_scaling``), and what the device's fused kernel for it does
-    with grad_scale and found_inf (declared by the backend, or probed once on the device)."""
+    with grad_scale and found_inf (declared by the backend, or probed once on the device). A torch
+    optimizer running a fused kernel without taking part in the protocol (torch 2.11's
+    ``Adagrad(fused=True)`` sets no ``_step_supports_amp_scaling``; 2.13's does) steps as a plain one, as torch's scaler steps it,
+    unless the device has no such kernel or refuses it: then it is refused before anything changes."""
     if not scaler._enabled:
         return CHECK_ONLY if scaler._check_finite else FORWARD
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        if fused.runs_fused_kernel(optimizer):  # torch 2.11's Adagrad(fused=True): fused, not handed found_inf
+            kernel = fused.kernel_of(scaler.backend, optimizer)
+            if kernel.status in (fused.ABSENT, fused.REFUSED):
+                return Refused(kernel)
         return PLAIN
     kernel = fused.kernel_of(scaler.backend, optimizer)
     if kernel.status in (fused.ABSENT, fused.REFUSED):

@@ -130,7 +130,7 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
         return plans.check(self, optimizer)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return plans.scale_of(self, funcname), self._growth_tracker  # type: ignore[return-value]
+        return plans.scale_of(self, funcname), self._growth_tracker  # type: ignore[return-value]  # torch's signature: the tracker is its tensor
 
     # -- step -----------------------------------------------------------------------------
     @eager_frame

@@ -120,7 +120,7 @@ class Telemetry:
         self.mirror = None if isinstance(value, torch.Tensor) or tracker is None else (f32(value), tracker)
 
     def _advance_mirror(self, overflow: bool, growth: float, backoff: float, interval: int) -> None:
-        value, tracker = self.mirror  # type: ignore[misc]
+        value, tracker = self.mirror  # type: ignore[misc]  # called only while the mirror is set
         if overflow:
             value, tracker = f32(value * backoff), 0
         elif tracker + 1 == interval:

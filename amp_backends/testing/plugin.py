@@ -44,7 +44,7 @@ def amp_backend_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def backend(amp_backend_name: str):  # type: ignore[no-untyped-def]
+def backend(amp_backend_name: str):
     """The backend under test; every check skips, with the reason, when it is unavailable."""
     import amp_backends
 

@@ -80,7 +80,8 @@ def _module_cases(dev: torch.device) -> list[tuple[torch.nn.Module, tuple]]:
     target = torch.zeros(4, dtype=torch.long, device=dev)
     return [
         (torch.nn.Linear(8, 8, device=dev), (None,)), (torch.nn.LayerNorm(8, device=dev), (None,)),
-        (torch.nn.GroupNorm(2, 8, device=dev), (None,)), (torch.nn.BatchNorm1d(8, device=dev), (None,)), (torch.nn.Softmax(-1), (None,)), (torch.nn.LogSoftmax(-1), (None,)),
+        (torch.nn.GroupNorm(2, 8, device=dev), (None,)), (torch.nn.BatchNorm1d(8, device=dev), (None,)),
+        (torch.nn.Softmax(-1), (None,)), (torch.nn.LogSoftmax(-1), (None,)),
         (torch.nn.MSELoss(), (None, torch.randn(4, 8, device=dev))), (torch.nn.CrossEntropyLoss(), (None, target)),
         (torch.nn.BCELoss(), ("probabilities", torch.rand(4, 8, device=dev))),
         (torch.nn.BCEWithLogitsLoss(), (None, torch.rand(4, 8, device=dev))),

@@ -219,12 +219,12 @@ def _join(ranks: object, outputs: list[Path], deadline_s: float = 180.0, grace_s
     torch releases and Gloo) is ended after ``grace_s`` instead of hanging the suite."""
     start = time.monotonic()
     written_at = None
-    while not ranks.join(timeout=1):  # type: ignore[attr-defined]
+    while not ranks.join(timeout=1):  # type: ignore[attr-defined]  # torch's spawn context, untyped
         now = time.monotonic()
         if written_at is None and all(p.exists() for p in outputs):
             written_at = now
         if (written_at is not None and now - written_at > grace_s) or now - start > deadline_s:
-            for proc in ranks.processes:  # type: ignore[attr-defined]
+            for proc in ranks.processes:  # type: ignore[attr-defined]  # torch's spawn context, untyped
                 if proc.is_alive():
                     proc.kill()
             if written_at is None:

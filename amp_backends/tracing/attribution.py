@@ -38,7 +38,7 @@ class Attribution(TorchFunctionMode):
         if self.stack:
             self.stack.pop()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if torch.is_grad_enabled():
             here = self.stack[-1] if self.stack else "(outside the model)"

@@ -117,7 +117,7 @@ class OpRecorder(TorchDispatchMode):
         self._counts: list[tuple[torch.Tensor, str, str, bool, str, tuple[int, ...]]] = []
         self._torch = _torch_formulas()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         pending = self._produced.before(func, args, kwargs) if self._produced is not None else None
         out = func(*args, **kwargs)

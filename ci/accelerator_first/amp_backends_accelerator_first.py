@@ -26,5 +26,5 @@ class SimAcceleratorBackend(amp_backends.Backend):
 
 
 @amp_backends.hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]  # pluggy's register callable is untyped
     register(SimAcceleratorBackend())

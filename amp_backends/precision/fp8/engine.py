@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,8 +25,8 @@ from ...backend import FP8_RECIPES, Backend
 from ...errors import AmpBackendsError, first_line
 from .mx import MX_HARDWARE, MX_RECIPES, MxConfig
 
-__all__ = ["ALL_RECIPES", "FP8_HARDWARE", "RECIPES", "Fp8UnavailableError", "eligibility", "engine",
-           "mx_kernels_reason", "mx_layer_class", "mx_unavailable_reason", "unavailable_reason"]
+__all__ = ["ALL_RECIPES", "FP8_HARDWARE", "NEEDS_TORCHAO", "RECIPES", "Fp8UnavailableError", "eligibility", "engine",
+           "mx_kernels_reason", "mx_layer_class", "mx_unavailable_reason", "too_old_reason", "unavailable_reason"]
 
 #: torchao's float8 training recipes (see :data:`amp_backends.backend.FP8_RECIPES`).
 RECIPES = FP8_RECIPES
@@ -47,7 +48,39 @@ _TOO_SMALL = {
                 "N <= 2048, K <= 1024, or N <= 4096 and K <= 2048"),
 }
 _TOO_SMALL["rowwise_with_gw_hp"] = _TOO_SMALL["rowwise"]
-TESTED = "torch 2.13 with torchao 0.18"
+TESTED = "torch 2.13 with torchao 0.18, torch 2.11 with torchao 0.17"
+#: The oldest torchao each feature was tested with, and needs: the float8 recipes (``torchao.float8``'s
+#: ``Float8Linear``) and the MX layer (``torchao.prototype.moe_training.mxfp8_linear``, new in 0.18). Below
+#: it the feature is refused, naming the release to install; everything else keeps working.
+NEEDS_TORCHAO = {"fp8": "0.17", "mxfp8": "0.18"}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string ("0.17.0+cu130" -> (0, 17, 0), "0.18.0rc1" -> (0, 18, 0))."""
+    numbers = []
+    for part in version.split("+")[0].split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if digits != part:
+            break
+    return tuple(numbers)
+
+
+def too_old_reason(feature: str, version: str | None) -> str | None:
+    """Why torchao ``version`` is too old for ``feature`` (a key of :data:`NEEDS_TORCHAO`), naming the
+    release to install; None where it is new enough, not installed, or of an unknown version."""
+    needed = NEEDS_TORCHAO[feature]
+    if version is None or not _release(version) or _release(version) >= _release(needed):
+        return None
+    what = "MXFP8 training" if feature == "mxfp8" else "fp8 training"
+    return (f"{what} needs torchao {needed} or newer, the oldest it was tested with; the installed torchao is "
+            f"{version}: pip install 'torchao>={needed}' (tested: {TESTED})")
 
 
 class Fp8UnavailableError(AmpBackendsError, RuntimeError):
@@ -60,13 +93,24 @@ _ENGINE: dict[str, Any] = {}
 @contextlib.contextmanager
 def _quiet_import() -> Iterator[None]:
     """torchao logs a warning per compiled extension it cannot load on this machine (sm90, mxfp8
-    kernels on a CPU machine); the Python float8 path needs none of them."""
+    kernels on a CPU machine); the Python float8 path needs none of them. Python 3.12 compiling torchao's
+    source where no bytecode is cached warns about invalid escapes in it (torchao 0.17's quant_api.py):
+    nothing the user can act on, so not shown either."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=SyntaxWarning)
+            ours = list(warnings.filters)
+            try:
+                yield
+            finally:  # filters the import added (torchao's __init__ adds one) outlive the block
+                added: list[Any] = [f for f in warnings.filters if f not in ours]
+        for action, message, category, module, lineno in reversed(added):
+            warnings.filterwarnings(action, getattr(message, "pattern", message or ""), category,
+                                    getattr(module, "pattern", module or ""), lineno)
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -79,6 +123,10 @@ def engine() -> Any:
         return _ENGINE["module"]
     if "error" in _ENGINE:
         raise Fp8UnavailableError(_ENGINE["error"])
+    old = too_old_reason("fp8", torchao_version())
+    if old is not None:
+        _ENGINE["error"] = old
+        raise Fp8UnavailableError(old)
     try:
         with _quiet_import():
             import torchao.float8 as float8
@@ -325,14 +373,18 @@ def mx_layer_class() -> type:
     engine()  # a usable torchao first: the same refusal as fp8's
     if "error" in _LAYER:
         raise Fp8UnavailableError(_LAYER["error"])
+    old = too_old_reason("mxfp8", torchao_version())
+    if old is not None:
+        _LAYER["error"] = old
+        raise Fp8UnavailableError(old)
     try:
         with _quiet_import():
             from .mx_linear import MxLinear
     except Exception as exc:  # noqa: BLE001 - an older torchao lacks the module, or parts of it
         version = torchao_version() or "?"
         _LAYER["error"] = (f"MXFP8 training needs torchao's MXFP8Linear (torchao.prototype.moe_training.mxfp8_linear, "
-                           f"torchao 0.18); the installed torchao {version} has none ({type(exc).__name__}: "
-                           f"{first_line(exc)[:120]}): pip install 'torchao>=0.18' (tested: {TESTED})")
+                           f"torchao {NEEDS_TORCHAO['mxfp8']}); the installed torchao {version} has none ({type(exc).__name__}: "
+                           f"{first_line(exc)[:120]}): pip install 'torchao>={NEEDS_TORCHAO['mxfp8']}' (tested: {TESTED})")
         raise Fp8UnavailableError(_LAYER["error"]) from None
     _LAYER["cls"] = MxLinear
     return MxLinear

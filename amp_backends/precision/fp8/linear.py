@@ -20,7 +20,7 @@ __all__ = ["Fp8Linear"]
 _Float8Linear = engine().float8_linear.Float8Linear
 
 
-class Fp8Linear(_Float8Linear):  # type: ignore[misc, valid-type]
+class Fp8Linear(_Float8Linear):  # type: ignore[misc, valid-type]  # torchao's class is Any where torchao is not installed
     """``Float8Linear`` with the autocast dtype taken from the input's device."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

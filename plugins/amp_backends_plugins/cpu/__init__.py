@@ -56,5 +56,5 @@ class CPUBackend(Backend):
 
 
 @hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:
     register(CPUBackend())

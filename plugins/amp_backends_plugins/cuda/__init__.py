@@ -35,7 +35,7 @@ class CUDABackend(Backend):
     #: nn.BCELoss in float32
     autocast_lists = autocast_lists.CUDA
 
-    @property  # type: ignore[override]
+    @property
     def fused_found_inf(self) -> dict[str, tuple[str, str]]:
         """torch's CUDA kernels (``FusedAdamKernel.cu``, ``FusedSgdKernel.cu``; Adagrad:
         ``fused_adagrad_utils.cuh`` ``FusedAdagradMathFunctor``): the functors return when found_inf
@@ -239,5 +239,5 @@ def amd_bf16_native(arch: str | None) -> bool:
 
 
 @hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:
     register(CUDABackend())

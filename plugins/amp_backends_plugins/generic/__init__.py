@@ -84,7 +84,7 @@ class AcceleratorBackend(Backend):
             found = torch.zeros((), device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((), 0.5, device=dev))
             ok = grads[0].cpu().tolist() == [0.5, 1.0] and float(found.item()) == 0.0
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any failure of the op is the reason, said
             return (f"torch's unscale op (_amp_foreach_non_finite_check_and_unscale_) has no working kernel on {dev!r}: "
                     f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         if not ok:
@@ -100,7 +100,7 @@ class AcceleratorBackend(Backend):
         return self._probed["dtypes"]
 
     @property
-    def default_dtype(self) -> torch.dtype:  # type: ignore[override]
+    def default_dtype(self) -> torch.dtype:  # type: ignore[override]  # a class attribute of the contract, a property here
         accepted = self._autocast_dtypes_accepted() if not self._api_missing else ()
         try:
             preferred = torch.get_autocast_dtype(self.device_type)
@@ -117,12 +117,12 @@ class AcceleratorBackend(Backend):
         return (default, *[d for d in self._autocast_dtypes_accepted() if d != default])
 
     @property
-    def has_fp64(self) -> bool:  # type: ignore[override]
+    def has_fp64(self) -> bool:  # type: ignore[override]  # a class attribute of the contract, a property here
         """Whether the device makes and reduces a float64 tensor (Apple and Intel Arc GPUs do not)."""
         if "fp64" not in self._probed:
             try:
                 self._probed["fp64"] = float(torch.ones(2, dtype=torch.float64, device=self.device_type).sum()) == 2.0
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - a device refusing float64 in any way has none
                 self._probed["fp64"] = False
         return self._probed["fp64"]
 
@@ -130,7 +130,7 @@ class AcceleratorBackend(Backend):
                          "register a backend with torch.distributed.Backend.register_backend(..., devices=[...]))")
 
     @property
-    def dist_backend(self) -> str:  # type: ignore[override]
+    def dist_backend(self) -> str:  # type: ignore[override]  # a class attribute of the contract, a property here
         """The process-group backend that can reduce the device's tensors (torch's default for the
         device type, or one an extension registered for it); "" where none can: gloo cannot."""
         return process_group_backend(self.device_type)
@@ -152,7 +152,7 @@ def detect() -> AcceleratorBackend | None:
 
 
 @hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:
     backend = detect()
     if backend is not None:
         register(backend, fallback=True)

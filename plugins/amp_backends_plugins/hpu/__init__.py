@@ -45,7 +45,7 @@ class HPUBackend(ExtensionBackend):
     visible_devices = ("HABANA_VISIBLE_MODULES", "HABANA_VISIBLE_DEVICES")
     device_tool = "hl-smi"
 
-    @property  # type: ignore[override]
+    @property
     def autocast_lists(self) -> autocast_lists.AutocastLists:
         """The Gaudi bridge's lists (``hpu_ops/autocast_helpers.h``: norms, softmax and dropout in bf16;
         losses in float32; binary_cross_entropy not banned), or the files
@@ -70,7 +70,7 @@ class HPUBackend(ExtensionBackend):
         what DeepSpeed asks), else by generation: no fp16 on first-generation Gaudi, nor where the
         generation is unknown (bf16, every Gaudi's dtype, is unaffected)."""
         try:
-            from habana_frameworks.torch.utils import experimental  # type: ignore[import-not-found]
+            from habana_frameworks.torch.utils import experimental
 
             return bool(experimental._is_fp16_supported())
         except Exception:  # noqa: BLE001 - missing or failing: judged by generation
@@ -125,5 +125,5 @@ class HPUBackend(ExtensionBackend):
 
 
 @hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:
     register(HPUBackend())

@@ -56,7 +56,7 @@ class MLUBackend(ExtensionBackend):
     # torch_mlu r2.4_develop is built for torch 2.4.0 exactly
     built_for_torch = "2.4.0"
 
-    @property  # type: ignore[override]
+    @property
     def fused_found_inf(self) -> dict[str, tuple[str, str]]:
         """Read from torch_mlu r2.4_develop's source (not run on an MLU here):
 
@@ -91,5 +91,5 @@ class MLUBackend(ExtensionBackend):
 
 
 @hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:
     register(MLUBackend())

@@ -96,7 +96,7 @@ class MPSBackend(Backend):
         return (default, *[d for d in self._accepted() if d != default])
 
     @property
-    def default_dtype(self) -> torch.dtype:  # type: ignore[override]
+    def default_dtype(self) -> torch.dtype:  # type: ignore[override]  # a class attribute of the contract, a property here
         """float16 where this torch's mps autocast accepts it (and where no mps device is here), else the
         first dtype it accepts."""
         accepted = self._accepted() if self.is_available() else ()
@@ -115,7 +115,7 @@ class MPSBackend(Backend):
 
     # -- device-bug guards, probed once on the device ----------------------------------
     @property
-    def unscale_dtypes(self) -> tuple[torch.dtype, ...] | None:  # type: ignore[override]
+    def unscale_dtypes(self) -> tuple[torch.dtype, ...] | None:  # type: ignore[override]  # a class attribute of the contract, a property here
         """None (every dtype) unless the device's unscale zeroes finite fp16/bf16 gradients
         (pytorch PR 184286): then those go through float32 copies."""
         if "unscale" not in self._probed:
@@ -151,5 +151,5 @@ def _unscale_keeps_values(device: str) -> bool:
 
 
 @hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:
     register(MPSBackend())

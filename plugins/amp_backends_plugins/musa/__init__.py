@@ -97,9 +97,9 @@ class MUSABackend(ExtensionBackend):
     @staticmethod
     def _capability(module: Any) -> tuple[int, int]:
         query = getattr(module, "get_device_capability", None)
-        return tuple(query()) if callable(query) else (0, 0)  # type: ignore[return-value]
+        return tuple(query()) if callable(query) else (0, 0)
 
 
 @hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:
     register(MUSABackend())

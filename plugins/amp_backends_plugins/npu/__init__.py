@@ -86,7 +86,7 @@ class NPUBackend(ExtensionBackend):
     #: linalg_vecdot or cuDNN convolutions, no upsampling in float32, no vdot promoted; BCE banned
     autocast_lists = AUTOCAST
     state_dict_dynamic = True  # torch_npu's scaler requires "dynamic" in a checkpoint it loads
-    @property  # type: ignore[override]
+    @property
     def fused_found_inf(self) -> dict[str, tuple[str, str]]:
         """Read from op-plugin (``op_plugin/config/op_plugin_functions.yaml``, ``op_plugin/ops/opapi/``)
         and torch_npu (master), not run on an Ascend NPU here:
@@ -151,7 +151,7 @@ class NPUBackend(ExtensionBackend):
 
     _saturation: bool | None = None
 
-    @property  # type: ignore[override]
+    @property
     def global_overflow_status(self) -> bool:
         """True on chips in saturation mode (no inf/NaN mode): overflow is a device-wide status.
         Asked once (the chip's mode does not change in a process): every step reads it."""
@@ -161,7 +161,7 @@ class NPUBackend(ExtensionBackend):
             self._saturation = not bool(self._submodule("npu.utils").is_support_inf_nan())
         return self._saturation
 
-    @property  # type: ignore[override]
+    @property
     def built_for_torch(self) -> str | None:
         """torch_npu's release number is the torch release it is built for (``2.1.0.post3``)."""
         version = getattr(self._extension_module, "__version__", None)
@@ -203,5 +203,5 @@ class NPUBackend(ExtensionBackend):
 
 
 @hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:
     register(NPUBackend())

@@ -81,7 +81,7 @@ class TritonKernel(Kernel):
 
 
 @hookimpl
-def amp_backends_register_kernels(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_kernels(register) -> None:
     register(TritonKernel())
 
 

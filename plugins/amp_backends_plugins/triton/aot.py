@@ -60,7 +60,7 @@ class Variant:
 
 
 def _version(triton: Any) -> tuple[int, int]:
-    return tuple(int(x) for x in triton.__version__.split(".")[:2])  # type: ignore[return-value]
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])  # type: ignore[return-value]  # two numbers: sliced to two
 
 
 def _source(triton: Any, fn: Any, ptr: str, vec: int, aligned: bool, scale: bool, write: bool, norm: bool,

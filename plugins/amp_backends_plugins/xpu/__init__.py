@@ -77,7 +77,7 @@ class XPUBackend(Backend):
             return f"no Intel GPU visible: torch.xpu.device_count() is 0{hint}; check the driver with xpu-smi"
         return None
 
-    @property  # type: ignore[override]
+    @property
     def fused_found_inf(self) -> dict[str, tuple[str, str]]:
         """The fused kernels this torch's XPU build has (:data:`FUSED_SINCE`), read from torch-xpu-ops'
         source (not run on an Intel GPU here); on an older torch each kind is probed on the device."""
@@ -123,7 +123,7 @@ class XPUBackend(Backend):
         return f"{self.describe()} reports no native bf16 (torch.xpu.is_bf16_supported(including_emulation=False))"
 
     @property
-    def has_fp64(self) -> bool:  # type: ignore[override]
+    def has_fp64(self) -> bool:  # type: ignore[override]  # a class attribute of the contract, a property here
         """Per device: Arc GPUs have no float64 (torch issue 147731); the scaler then computes
         1/scale in float32."""
         if not self.is_available():
@@ -140,7 +140,7 @@ class XPUBackend(Backend):
     collectives = collective_libraries.XCCL  # oneCCL's, through XCCL or the ccl bindings: torch-xpu-ops src/xccl/xccl.h
 
     @property
-    def dist_backend(self) -> str:  # type: ignore[override]
+    def dist_backend(self) -> str:  # type: ignore[override]  # a class attribute of the contract, a property here
         """XCCL where torch has it (``is_xccl_available()``), else oneCCL's ``ccl`` where its bindings
         are installed; else none (gloo reduces cpu and cuda tensors only, never xpu ones)."""
         import torch.distributed as dist
@@ -165,5 +165,5 @@ class XPUBackend(Backend):
 
 
 @hookimpl
-def amp_backends_register_backends(register) -> None:  # type: ignore[no-untyped-def]
+def amp_backends_register_backends(register) -> None:
     register(XPUBackend())

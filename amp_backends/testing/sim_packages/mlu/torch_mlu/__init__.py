@@ -38,7 +38,7 @@ _MODE = os.environ.get("AMP_SIM_MLU", "new")
 if _MODE == "broken":
     raise ImportError("libcnnl.so: cannot open shared object file: No such file or directory")
 
-from amp_backends.testing import simdevice  # noqa: E402
+from amp_backends.testing import simdevice  # noqa: E402 - after the module's own setup, as torch_mlu imports
 
 CHIPS = {"MLU370": (3, 0), "MLU590": (5, 0)}
 _CHIP = os.environ.get("AMP_SIM_MLU_CHIP", "MLU590")

@@ -11,8 +11,8 @@ import warnings
 
 from amp_backends.testing import simdevice
 
-from . import amp, utils  # noqa: F401
-from .utils import is_bf16_supported, is_support_inf_nan, npu_check_overflow  # noqa: F401
+from . import amp, utils  # noqa: F401 - torch_npu.npu exposes them
+from .utils import is_bf16_supported, is_support_inf_nan, npu_check_overflow  # noqa: F401 - torch_npu.npu exposes them
 
 
 _OPTION_VALUES = {"ACL_PRECISION_MODE": ["allow_fp32_to_fp16", "must_keep_origin_dtype"]}
