@@ -229,7 +229,8 @@ def render_memory(result: dict[str, Any]) -> str:
             continue
         low = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(m["activations_by_dtype"].items()))
         loss = r.get("loss")
-        rows.append([r["model"], r["mode"], _mib(r.get("peak_bytes", m["peak"])), "" if r["mode"] == "fp32" else f"{-100 * r['saving_vs_fp32']:+.1f}%",
+        saving = "" if r["mode"] == "fp32" else f"{-100 * r['saving_vs_fp32']:+.1f}%"
+        rows.append([r["model"], r["mode"], _mib(r.get("peak_bytes", m["peak"])), saving,
                      _mib(m["parameters"]), _mib(m["gradients"]), _mib(m["optimizer"]), _mib(m["master"]),
                      _mib(m["weight_copies"]), f"{_mib(m['activations'])} ({low})" if low else _mib(m["activations"]),
                      _mib(m["other"]) + (f"; loss {loss:.4g}" if loss is not None else "")])
