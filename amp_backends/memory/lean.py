@@ -131,6 +131,7 @@ class Lean:
                     p.data = m
             optimizer.masters.clear()
             optimizer._stamps.clear()
+            optimizer._planned()
             optimizer = optimizer.optimizer
         else:
             with torch.no_grad():

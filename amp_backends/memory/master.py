@@ -117,7 +117,15 @@ class MasterWeights(torch.optim.Optimizer):
         #: parameter -> (its exact float32 gradient after unscale_, (id, version) of its gradient then)
         self._exact: dict[nn.Parameter, tuple[torch.Tensor, tuple[int, int]]] = {}
         self._warned_new = self._warned_changed = False
+        # what the last sync saw (the groups' parameters, their versions and storage) and the plan it made
+        self._ids: list[int] | None = None
+        self._seen: list[tuple[int, int]] = []
+        self._lists: list[list[torch.Tensor]] = []
+        self._with_master: list[nn.Parameter] = []
+        self._on_device: bool | None = None
+        self._fake = False
         self.sync()
+        self._warned_new = bool(self._warned_new)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -132,6 +140,23 @@ class MasterWeights(torch.optim.Optimizer):
 
     def _params(self) -> list[nn.Parameter]:
         return list(dict.fromkeys(p for group in self.optimizer.param_groups for p in group["params"]))
+
+    def _look(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """The groups' parameters (ids) and each one's (version, storage address), as they are now."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if self._fake:
+            return [id(p) for p in params], [(p._version, 0) for p in params]
+        return [id(p) for p in params], [(p._version, p.data_ptr()) for p in params]
+
+    def _planned(self) -> None:
+        """What the step swaps, made again after a change: each group's list with the masters in, and
+        the parameters that have one; what the groups hold now, as seen."""
+        masters = self.masters
+        self._lists = [[masters.get(p, p) for p in group["params"]] for group in self.optimizer.param_groups]
+        self._with_master = list(masters)
+        self._fake = any(isinstance(p, FakeTensor) or p.is_meta for group in self.optimizer.param_groups
+                         for p in group["params"][:1])
+        self._ids, self._seen = self._look()
 
     # -- taking in what others wrote -------------------------------------------------------------------
     def watch_loads(self, model: nn.Module) -> None:
@@ -156,10 +181,14 @@ class MasterWeights(torch.optim.Optimizer):
     @torch.no_grad()
     def sync(self) -> None:
         """Make each master the truth again after writes made outside the step (module docstring)."""
+        if self._ids is not None and self._look() == (self._ids, self._seen):
+            return  # nothing written, nothing added or replaced since the last sync or step
         params = self._params()
         stamps = self._stamps
-        if all(stamps.get(p) == (p._version, _address(p), p.device, p.dtype) for p in params):
-            return
+        before = dict(zip(self._ids or [], self._seen))  # id -> (version, address) as last seen
+        for p in self.masters:  # a stamp's version and address are those seen last (the step's own write)
+            if id(p) in before and p in stamps:
+                stamps[p] = (*before[id(p)], *stamps[p][2:])
         created = 0
         for p in params:
             master = self.masters.get(p)
@@ -188,7 +217,9 @@ class MasterWeights(torch.optim.Optimizer):
             del self.masters[p]
             stamps.pop(p, None)
         self._loaded.clear()
-        if created and not self._warned_new and len(stamps) > created:
+        first = self._ids is None
+        self._planned()
+        if created and not first and not self._warned_new:
             self._warned_new = True
             warnings.warn(f"lean memory: {created} parameter(s) became low precision after memory_lean "
                           "(model.to(dtype)?) and were given float32 masters from their rounded values",
@@ -196,22 +227,26 @@ class MasterWeights(torch.optim.Optimizer):
 
     # -- the step --------------------------------------------------------------------------------------
     @contextmanager
-    def on_masters(self, grads: bool = False, grad_scale: torch.Tensor | None = None) -> Iterator[None]:
+    def on_masters(self, grads: bool = False, grad_scale: torch.Tensor | None = None,
+                   synced: bool = False) -> Iterator[None]:
         """The wrapped optimizer's groups list the masters, and its state is keyed by them, until the
         block ends (with ``grads``, each master's gradient is its parameter's in float32, divided by
         ``grad_scale`` where given); then the groups and state are the parameters' again, and the
         parameters hold the masters' values rounded (written through the parameters, so their version
         counters move as under any optimizer). The parameters' storage is never swapped: autograd's
         gradient accumulators, and DDP's hooks on them, stay."""
-        self.sync()
+        if not synced:
+            self.sync()
         masters, state = self.masters, self.optimizer.state
         groups = self.optimizer.param_groups
         held = [group["params"] for group in groups]
-        for group in groups:
-            group["params"] = [masters.get(p, p) for p in group["params"]]
-        for p, m in masters.items():
-            if p in state:
-                state[m] = state.pop(p)
+        for group, swapped in zip(groups, self._lists):
+            group["params"] = swapped
+        with_master = self._with_master
+        for p in with_master:
+            value = state.pop(p, None)
+            if value is not None:
+                state[masters[p]] = value
         if grads:
             for p, g in self._master_grads(grad_scale).items():
                 masters[p].grad = g
@@ -222,22 +257,26 @@ class MasterWeights(torch.optim.Optimizer):
             state = self.optimizer.state
             for group, params in zip(self.optimizer.param_groups, held):
                 group["params"] = params
-            for p, m in masters.items():
+            for p in with_master:
+                m = masters[p]
                 m.grad = None
-                if m in state:
-                    state[p] = state.pop(m)
-            if masters:
+                value = state.pop(m, None)
+                if value is not None:
+                    state[p] = value
+            if with_master:
                 with torch.no_grad():
-                    torch._foreach_copy_(list(masters), list(masters.values()))
-            for p in masters:
-                self._stamps[p] = _stamp(p)
+                    torch._foreach_copy_(with_master, [masters[p] for p in with_master])
+            self._ids, self._seen = self._look()  # the rounding written here is no one else's write
 
     def _master_grads(self, grad_scale: torch.Tensor | None) -> dict[nn.Parameter, torch.Tensor]:
         """Each master's float32 gradient for this step: the exact one :meth:`unscale_masters_` kept,
         where the parameter's gradient is still what it wrote there; else the parameter's, upcast (and
         divided by ``grad_scale`` where given)."""
         exact, self._exact = self._exact, {}
-        with_grad = [p for p in self.masters if p.grad is not None]
+        with_grad = [p for p in self._with_master if p.grad is not None]
+        if not exact:
+            inverse = None if grad_scale is None else _inverse(grad_scale, grad_scale.device)
+            return dict(zip(with_grad, self._float32_grads([p.grad for p in with_grad], inverse)))
         out = {p: exact[p][0] for p in with_grad if p in exact and exact[p][1] == (id(p.grad), p.grad._version)}
         changed = [p for p in with_grad if p in exact and p not in out]
         if changed and not self._warned_changed:
@@ -297,10 +336,10 @@ class MasterWeights(torch.optim.Optimizer):
         for i, g in enumerate(grads):
             by_device.setdefault(g.device, []).append(i)
         for device, index in by_device.items():
-            sizes = [grads[i].numel() for i in index]
-            flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-            views = [v.view(grads[i].shape) for v, i in zip(flat.split(sizes), index)]
-            torch._foreach_copy_(views, [grads[i] for i in index])
+            same = [grads[i] for i in index]
+            flat = torch.empty(sum(g.numel() for g in same), dtype=torch.float32, device=device)
+            views = list(torch._utils._unflatten_dense_tensors(flat, same))  # one call for every view
+            torch._foreach_copy_(views, same)
             if inverse is not None:
                 torch._foreach_mul_(views, inverse.to(device))
             for v, i in zip(views, index):
@@ -319,14 +358,16 @@ class MasterWeights(torch.optim.Optimizer):
         grad_scale, found_inf = self.__dict__.get("grad_scale"), self.__dict__.get("found_inf")
         inner = self.optimizer
         # torch's fused optimizers take grad_scale/found_inf and skip on the device, without a host read
-        on_device = bool(getattr(inner, "_step_supports_amp_scaling", False)) and \
-            "grad_scaler" not in inspect.signature(inner.step).parameters
+        if self._on_device is None:
+            self._on_device = bool(getattr(inner, "_step_supports_amp_scaling", False)) and \
+                "grad_scaler" not in inspect.signature(inner.step).parameters
+        on_device = self._on_device
         if found_inf is not None and not on_device and bool(found_inf.item()):
             return loss  # an inf/NaN gradient: nothing moves (the scaler skips the step)
         unscale = None if on_device else grad_scale
         wide = [p for p in self._params() if p not in self.masters and p.grad is not None] if unscale is not None else []
         held = [p.grad for p in wide]
-        with self.on_masters(grads=True, grad_scale=unscale):
+        with self.on_masters(grads=True, grad_scale=unscale, synced=True):
             if wide:  # float32 parameters' gradients, unscaled for this step only
                 scaled = torch._foreach_mul(held, _inverse(unscale, held[0].device))
                 for p, g in zip(wide, scaled):

@@ -213,6 +213,8 @@ def _table(offsets: Sequence[int], numels: Sequence[int], device: torch.device, 
     in_head = k < 0
     starts = torch.where(in_head, offs[owner], offs[owner] + head[owner] + k * block)
     lengths = torch.where(in_head, head[owner], torch.clamp(body[owner] - k * block, max=block)).to(torch.int32)
+    if device.type == "cuda":  # from pageable memory CUDA waits for the stream first: a host sync per new table
+        starts, lengths = starts.pin_memory(), lengths.pin_memory()
     return starts.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
 
 

@@ -1,0 +1,159 @@
+"""Where a lean step's time goes, against plain AMP's: torch's profiler over a few steps of a bench model.
+
+    python bench/lean_profile.py                          # hf-bert and hf-gpt2 at full size on the GPU
+    python bench/lean_profile.py --models hf-bert --modes amp-bfloat16,lean-bf16 --top 20
+    python bench/lean_profile.py --levers --models hf-bert   # each lever of memory_lean alone, timed
+    python bench/lean_profile.py --smoke                  # mlp, small, on a CPU
+
+For each model and mode: the step's time (median of the profiled steps, device events where the device
+has them), the host time the step spends in Python and dispatch, and the ops that take the most device
+(else host) time, so a lean lever that costs more than it should shows which op it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+for _path in (ROOT / "plugins", ROOT):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import torch  # noqa: E402  # after the checkout is on the path
+
+from amp_backends import get  # noqa: E402
+from amp_backends.cli.bench import make_step, modes_for  # noqa: E402
+from amp_backends.cli.bench_memory import LEAN_HEADS  # noqa: E402
+from amp_backends.cli.bench_models import MODELS  # noqa: E402
+
+
+def profile(name: str, mode_name: str, size: str, steps: int, top: int) -> dict[str, Any]:
+    be = get()
+    spec = MODELS[name]
+    mode = next(m for m in modes_for(be) if m.name == mode_name)
+    torch.manual_seed(0)
+    model = spec.build(size).to(be.device())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    data = spec.batch(size, be.device(), None)
+    step = make_step(be, model, opt, spec.loss_of, data, mode, LEAN_HEADS.get(name))
+    for _ in range(3):
+        step()
+    be.synchronize()
+    cuda = be.device_type == "cuda"
+    times, host = [], []
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            start = time.perf_counter()
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            step()
+            host.append((time.perf_counter() - start) * 1e3)
+            if cuda:
+                end.record()
+                torch.cuda.synchronize()
+                times.append(begin.elapsed_time(end))
+            else:
+                times.append(host[-1])
+    key = "device_time_total" if cuda else "cpu_time_total"
+    events = prof.key_averages()
+    if cuda and not hasattr(events[0], key):
+        key = "cuda_time_total"
+    ops = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:top]
+    rows = [{"op": e.key, "calls": e.count // steps, "ms_per_step": getattr(e, key, 0.0) / 1e3 / steps} for e in ops]
+    del model, opt, step
+    be.synchronize()
+    return {"model": name, "mode": mode_name, "step_ms": statistics.median(times),
+            "host_ms": statistics.median(host), "by": key, "top": rows}
+
+
+LEVERS: dict[str, dict[str, Any]] = {
+    "amp": {}, "saves": {"saves": True}, "weights": {"saves": False, "weights": torch.bfloat16},
+    "head": {"saves": False, "lm_head": True}, "recompute": {"saves": False, "recompute": True},
+    "all": {"weights": torch.bfloat16, "lm_head": True},
+}
+
+
+def levers(name: str, size: str, steps: int) -> dict[str, float]:
+    """The bf16 step of bench model ``name`` with each lever of memory_lean alone (and all of them),
+    each in a model and optimizer of its own, interleaved over ``steps`` rounds: median ms per step."""
+    from amp_backends.memory.lean import memory_lean
+    from amp_backends.memory.recompute import find_blocks
+
+    be = get()
+    spec = MODELS[name]
+    data = spec.batch(size, be.device(), None)
+    runs = {}
+    for lever, kwargs in LEVERS.items():
+        torch.manual_seed(0)
+        model = spec.build(size).to(be.device())
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        if kwargs:
+            kwargs = dict(kwargs)
+            if kwargs.pop("lm_head", False):
+                if LEAN_HEADS.get(name) is None and lever == "head":
+                    continue
+                kwargs["lm_head"] = LEAN_HEADS.get(name)
+            if kwargs.get("recompute") and not find_blocks(model):
+                continue
+            opt = memory_lean(model, opt if "weights" in kwargs else None, backend=be, **kwargs).optimizer or opt
+        runs[lever] = (model, opt)
+    x, y = data
+    timings: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(steps + 2):
+        for lever, (model, opt) in runs.items():
+            be.synchronize()
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with be.autocast(torch.bfloat16):
+                loss = spec.loss_of(model, x, y)
+            loss.backward()
+            opt.step()
+            be.synchronize()
+            if i >= 2:
+                timings[lever].append((time.perf_counter() - start) * 1e3)
+    return {k: statistics.median(v) for k, v in timings.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="hf-bert,hf-gpt2")
+    parser.add_argument("--modes", default="amp-bfloat16,lean-bf16")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--levers", action="store_true", help="each lever alone, timed (no profiler)")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    models = ["mlp"] if args.smoke else args.models.split(",")
+    size = "small" if args.smoke or get().device_type == "cpu" else "full"
+    out: list[dict[str, Any]] = []
+    if args.levers:
+        for name in models:
+            ms = levers(name, size, 3 if args.smoke else args.steps)
+            out.append({"model": name, "levers_ms": ms})
+            print(f"{name}: " + ", ".join(f"{k} {v:.1f} ms ({v / ms['amp']:.2f}x)" for k, v in ms.items()))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        return 0
+    for name in models:
+        for mode in args.modes.split(","):
+            r = profile(name, mode, size, 2 if args.smoke else args.steps, args.top)
+            out.append(r)
+            print(f"\n{name} {mode}: step {r['step_ms']:.1f} ms, host {r['host_ms']:.1f} ms ({r['by']})")
+            for row in r["top"]:
+                print(f"  {row['ms_per_step']:8.2f} ms  {row['calls']:5d}x  {row['op'][:90]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
