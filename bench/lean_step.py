@@ -117,11 +117,11 @@ def measure(model: str, device: torch.device, smoke: bool, rounds: int, reps: in
 
 def _setup(kind: str, dims: list[tuple[int, ...]], device: torch.device) -> Any:
     """The optimizer of ``kind`` over parameters of ``dims`` with gradients set."""
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     low = torch.bfloat16 if kind.startswith("lean") else torch.float32
-    params = [nn.Parameter((torch.randn(s, generator=g) * 0.02).to(device, low)) for s in dims]
+    params = [nn.Parameter((torch.randn(s, device=device) * 0.02).to(low)) for s in dims]
     for p in params:
-        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(device, low)
+        p.grad = (torch.randn(p.shape, device=device) * 1e-3).to(low)
     opt = torch.optim.AdamW(params, lr=1e-4, **({"fused": True} if kind.endswith("fused") else {"foreach": True}))
     # the lean optimizer memory_lean makes: bfloat16 parameters get float32 masters from their values
     return MasterWeights(opt) if kind.startswith("lean") else opt

@@ -124,6 +124,9 @@ class MasterWeights(torch.optim.Optimizer):
         self._with_master: list[nn.Parameter] = []
         self._on_device: bool | None = None
         self._fake = False
+        #: (device, parameter dtype) -> (float32 buffer, its parameters, their masters: views of it)
+        self._flats: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, list[nn.Parameter],
+                                                                  list[torch.Tensor]]] = {}
         self.sync()
         self._warned_new = bool(self._warned_new)
 
@@ -151,11 +154,13 @@ class MasterWeights(torch.optim.Optimizer):
     def _planned(self) -> None:
         """What the step swaps, made again after a change: each group's list with the masters in, and
         the parameters that have one; what the groups hold now, as seen."""
+        self._fake = any(isinstance(p, FakeTensor) or p.is_meta for group in self.optimizer.param_groups
+                         for p in group["params"][:1])
+        with torch.no_grad():
+            self._consolidate()
         masters = self.masters
         self._lists = [[masters.get(p, p) for p in group["params"]] for group in self.optimizer.param_groups]
         self._with_master = list(masters)
-        self._fake = any(isinstance(p, FakeTensor) or p.is_meta for group in self.optimizer.param_groups
-                         for p in group["params"][:1])
         self._ids, self._seen = self._look()
 
     # -- taking in what others wrote -------------------------------------------------------------------
@@ -264,8 +269,7 @@ class MasterWeights(torch.optim.Optimizer):
                 if value is not None:
                     state[p] = value
             if with_master:
-                with torch.no_grad():
-                    torch._foreach_copy_(with_master, [masters[p] for p in with_master])
+                self._round_into_parameters(with_master)
             self._ids, self._seen = self._look()  # the rounding written here is no one else's write
 
     def _master_grads(self, grad_scale: torch.Tensor | None) -> dict[nn.Parameter, torch.Tensor]:
@@ -337,14 +341,53 @@ class MasterWeights(torch.optim.Optimizer):
             by_device.setdefault(g.device, []).append(i)
         for device, index in by_device.items():
             same = [grads[i] for i in index]
-            flat = torch.empty(sum(g.numel() for g in same), dtype=torch.float32, device=device)
-            views = list(torch._utils._unflatten_dense_tensors(flat, same))  # one call for every view
-            torch._foreach_copy_(views, same)
-            if inverse is not None:
-                torch._foreach_mul_(views, inverse.to(device))
+            if any(g.is_sparse for g in same):
+                views = [g.float() for g in same]
+                if inverse is not None:
+                    views = [v.mul_(inverse.to(device)) for v in views]
+            else:  # one concatenation and one cast (a copy across dtypes per tensor is a launch per tensor)
+                flat = torch._utils._flatten_dense_tensors(same).to(torch.float32)
+                if inverse is not None:
+                    flat.mul_(inverse.to(device))
+                views = list(torch._utils._unflatten_dense_tensors(flat, same))  # one call for every view
             for v, i in zip(views, index):
                 out[i] = v
         return out
+
+    def _consolidate(self) -> None:
+        """Each (device, parameter dtype)'s masters made views of one float32 buffer, so that the step
+        rounds them into the parameters with one cast and one same-dtype multi-tensor copy."""
+        groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
+        for p in self.masters:
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        flats = {}
+        for key, params in groups.items():
+            held = self._flats.get(key)
+            if held is not None and held[1] == params and all(
+                    self.masters[p].data_ptr() == v.data_ptr() for p, v in zip(params, held[2])):
+                flats[key] = held
+                continue
+            masters = [self.masters[p] for p in params]
+            if self._fake or any(m.is_sparse for m in masters):
+                continue
+            flat = torch._utils._flatten_dense_tensors(masters)
+            views = list(torch._utils._unflatten_dense_tensors(flat, masters))
+            for p, v in zip(params, views):
+                self.masters[p] = v
+            flats[key] = (flat, params, views)
+        self._flats = flats
+
+    @torch.no_grad()
+    def _round_into_parameters(self, with_master: list[nn.Parameter]) -> None:
+        """Each parameter := its master, rounded (written through the parameter: its version moves)."""
+        done = set()
+        for (_, dtype), (flat, params, _) in self._flats.items():
+            low = flat.to(dtype)
+            torch._foreach_copy_(params, list(torch._utils._unflatten_dense_tensors(low, params)))
+            done.update(id(p) for p in params)
+        rest = [p for p in with_master if id(p) not in done]
+        if rest:
+            torch._foreach_copy_(rest, [self.masters[p] for p in rest])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

@@ -42,13 +42,15 @@ class Tuning:
     num_warps: int
 
 
-#: Launch shape per element size (bytes). Every dtype moves the same bytes per program (16 KiB read
+#: Launch shape per element size (bytes). Every dtype moves the same bytes per program (8 KiB read
 #: on a GPU): a 16-bit block is twice as many elements as an fp32 one, so a 16-bit program carries
 #: as many bytes in flight and pays its fixed cost (block-table read, found_inf reduction) over as
-#: many bytes. Small in the interpreter, so that tests span blocks. ``bench/unscale.py --sweep``
-#: times alternatives on a GPU; assign an entry to try one (tables are cached per block size).
+#: many bytes. Chosen by ``bench/unscale.py --sweep`` on an NVIDIA H200 (torch 2.11, Triton 3.6,
+#: 2026-11-27; bench/RESULTS.md): the best worst case per element size of 9 shapes each. Small in
+#: the interpreter, so that tests span blocks. Assign an entry to try another (tables are cached per
+#: block size).
 TUNING: dict[int, Tuning] = (
-    {4: Tuning(512, 8), 2: Tuning(1024, 8)} if INTERPRET else {4: Tuning(4096, 8), 2: Tuning(8192, 8)}
+    {4: Tuning(512, 8), 2: Tuning(1024, 8)} if INTERPRET else {4: Tuning(2048, 8), 2: Tuning(4096, 4)}
 )
 #: The fp32 block (elements); 16-bit dtypes use ``TUNING[2].block``.
 BLOCK = TUNING[4].block
