@@ -83,6 +83,11 @@ def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
+def _grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients of ``params``, each of which has one."""
+    return [p.grad for p in params if p.grad is not None]
+
+
 def _inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
     """1/scale as torch's scaler computes it: in float64 (float32 where the device has no float64)."""
     if scale.device.type == "mps":
@@ -216,7 +221,7 @@ class MasterWeights(torch.optim.Optimizer):
                 master = self.masters[p] = master.to(p.device)
             if version != p._version or not torch.equal(p, master.to(p.dtype)):  # written: the master follows
                 exact = loaded is not None and torch.equal(loaded.to(p.device, p.dtype), p)
-                master.copy_(loaded if exact else p)
+                master.copy_(loaded if exact and loaded is not None else p)
             stamps[p] = _stamp(p)
         for p in [p for p in self.masters if p not in set(params)]:
             del self.masters[p]
@@ -280,7 +285,7 @@ class MasterWeights(torch.optim.Optimizer):
         with_grad = [p for p in self._with_master if p.grad is not None]
         if not exact:
             inverse = None if grad_scale is None else _inverse(grad_scale, grad_scale.device)
-            return dict(zip(with_grad, self._float32_grads([p.grad for p in with_grad], inverse)))
+            return dict(zip(with_grad, self._float32_grads(_grads(with_grad), inverse)))
         out = {p: exact[p][0] for p in with_grad if p in exact and exact[p][1] == (id(p.grad), p.grad._version)}
         changed = [p for p in with_grad if p in exact and p not in out]
         if changed and not self._warned_changed:
@@ -291,7 +296,7 @@ class MasterWeights(torch.optim.Optimizer):
                           "gradients exactly", RuntimeWarning, stacklevel=4)
         todo = [p for p in with_grad if p not in out]
         inverse = None if grad_scale is None else _inverse(grad_scale, grad_scale.device)
-        out.update(zip(todo, self._float32_grads([p.grad for p in todo], inverse)))
+        out.update(zip(todo, self._float32_grads(_grads(todo), inverse)))
         return out
 
     @torch.no_grad()
@@ -302,11 +307,11 @@ class MasterWeights(torch.optim.Optimizer):
         With ``norm_sq``, adds the float32 sum of squares of the unscaled gradients."""
         self.sync()
         low = [p for p in self.masters if p.grad is not None]
-        wide = self._float32_grads([p.grad for p in low], inv_scale)
+        wide = self._float32_grads(_grads(low), inv_scale)
         plain = [p.grad for p in self._params() if p not in self.masters and p.grad is not None]
         _scale_(plain, inv_scale)
         if low:
-            torch._foreach_copy_([p.grad for p in low], wide)
+            torch._foreach_copy_(_grads(low), wide)
         self._exact = {p: (w, (id(p.grad), p.grad._version)) for p, w in zip(low, wide)}
         if norm_sq is not None:
             grads = [self._exact[p][0] if p in self._exact else p.grad for p in self._params() if p.grad is not None]
@@ -327,7 +332,7 @@ class MasterWeights(torch.optim.Optimizer):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         _scale_(grads, coef)
         if low:
-            torch._foreach_copy_([p.grad for p in low], wide)
+            torch._foreach_copy_(_grads(low), wide)
         self._exact = {p: (w, (id(p.grad), p.grad._version)) for p, w in zip(low, wide)}
         return total
 
@@ -380,14 +385,15 @@ class MasterWeights(torch.optim.Optimizer):
     @torch.no_grad()
     def _round_into_parameters(self, with_master: list[nn.Parameter]) -> None:
         """Each parameter := its master, rounded (written through the parameter: its version moves)."""
-        done = set()
+        done: set[int] = set()
         for (_, dtype), (flat, params, _) in self._flats.items():
             low = flat.to(dtype)
-            torch._foreach_copy_(params, list(torch._utils._unflatten_dense_tensors(low, params)))
+            targets: list[torch.Tensor] = list(params)
+            torch._foreach_copy_(targets, list(torch._utils._unflatten_dense_tensors(low, targets)))
             done.update(id(p) for p in params)
         rest = [p for p in with_master if id(p) not in done]
         if rest:
-            torch._foreach_copy_(rest, [self.masters[p] for p in rest])
+            torch._foreach_copy_(list[torch.Tensor](rest), [self.masters[p] for p in rest])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -409,9 +415,9 @@ class MasterWeights(torch.optim.Optimizer):
             return loss  # an inf/NaN gradient: nothing moves (the scaler skips the step)
         unscale = None if on_device else grad_scale
         wide = [p for p in self._params() if p not in self.masters and p.grad is not None] if unscale is not None else []
-        held = [p.grad for p in wide]
+        held = _grads(wide)
         with self.on_masters(grads=True, grad_scale=unscale, synced=True):
-            if wide:  # float32 parameters' gradients, unscaled for this step only
+            if wide and unscale is not None:  # float32 parameters' gradients, unscaled for this step only
                 scaled = torch._foreach_mul(held, _inverse(unscale, held[0].device))
                 for p, g in zip(wide, scaled):
                     p.grad = g
