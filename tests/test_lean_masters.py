@@ -199,6 +199,20 @@ def test_a_cast_after_memory_lean_gives_the_new_low_precision_parameters_masters
     assert all(torch.equal(p, masters[n]) for n, p in model.named_parameters()), "with the masters' values"
 
 
+def test_a_lean_model_dropped_is_freed():
+    """memory_lean keeps no reference to the model (its mark is weak): a model and its handle dropped
+    are collected, and what they held with them."""
+    import gc
+    import weakref
+
+    model = _mlp()
+    lean = memory_lean(model, _adamw(model.parameters()), backend="cpu", weights=torch.bfloat16, lm_head="3")
+    alive = weakref.ref(model)
+    del model, lean
+    gc.collect()
+    assert alive() is None
+
+
 def test_memory_lean_twice_is_refused_until_removed():
     model = _mlp()
     opt = _adamw(model.parameters())
@@ -253,9 +267,8 @@ def test_the_kept_wrapper_goes_on_with_the_same_adamw_state_after_remove():
     """The docs' snippet keeps ``optimizer = lean.optimizer``; after ``lean.remove()`` it steps the float32
     model on with AdamW's state as it was (step count 2, not a restart), as a plain AdamW would."""
     model = _mlp()
-    optimizer = memory_lean(model, _adamw(model.parameters()), backend="cpu", weights=torch.bfloat16).optimizer
-    from amp_backends.memory.lean import _ON
-    lean = _ON[model]
+    lean = memory_lean(model, _adamw(model.parameters()), backend="cpu", weights=torch.bfloat16)
+    optimizer = lean.optimizer
     optimizer.zero_grad()
     _backward(model)
     optimizer.step()

@@ -60,8 +60,9 @@ LOW_PRECISION_LAYERS: tuple[type[nn.Module], ...] = (
     nn.Embedding, nn.MultiheadAttention)
 _LOW_PRECISION_NAMES = {"transformers.pytorch_utils.Conv1D"}
 
-#: model -> the Lean turned on for it (memory_lean twice on one model is refused)
-_ON: weakref.WeakKeyDictionary[nn.Module, Lean] = weakref.WeakKeyDictionary()
+#: the models memory_lean is on for (twice on one model is refused); a mark only: a value that held the
+#: Lean would hold the model, and the weak key would never go
+_ON: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 class Lean:
@@ -287,5 +288,5 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     if head is not None:
         lazy_head(head)
     lean = Lean(model, optimizer, lowered, kept, low, head, weights, again)
-    _ON[model] = lean
+    _ON[model] = True
     return lean

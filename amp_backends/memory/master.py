@@ -40,6 +40,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .master_buffers import Flats, consolidate, float32_grads, grads_of, round_into
+from .master_buffers import inverse as inverse_of
+from .master_unscale import ExactUnscale
+
 __all__ = ["LOW_PRECISION", "MasterWeights"]
 
 #: The parameter dtypes that get a float32 master.
@@ -58,44 +62,7 @@ def _stamp(p: torch.Tensor) -> _Stamp:
     return p._version, _address(p), p.device, p.dtype
 
 
-def _scale_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply each gradient in place by ``factor`` (a multi-tensor op per device; sparse ones alone)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        if g.is_sparse:
-            g.mul_(factor.to(g.device))
-        else:
-            by_device.setdefault(g.device, []).append(g)
-    for device, same in by_device.items():
-        torch._foreach_mul_(same, factor.to(device))
-
-
-def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The total ``norm_type``-norm of float32 ``grads``, as torch's clip_grad_norm_ computes it."""
-    dense = [g.coalesce()._values() if g.is_sparse else g for g in grads]
-    if not dense:
-        return torch.zeros(())
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in dense:
-        by_device.setdefault(g.device, []).append(g)
-    first = dense[0].device
-    norms = [n.to(first) for same in by_device.values() for n in torch._foreach_norm(same, norm_type)]
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-
-
-def _grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
-    """The gradients of ``params``, each of which has one."""
-    return [p.grad for p in params if p.grad is not None]
-
-
-def _inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """1/scale as torch's scaler computes it: in float64 (float32 where the device has no float64)."""
-    if scale.device.type == "mps":
-        return scale.float().reciprocal().to(device)
-    return scale.double().reciprocal().float().to(device)
-
-
-class MasterWeights(torch.optim.Optimizer):
+class MasterWeights(ExactUnscale, torch.optim.Optimizer):
     """``optimizer``'s updates applied to float32 masters of its low-precision parameters
     (``masters``: parameter -> its float32 master; a low-precision parameter without one gets one from
     its value; float32 parameters are stepped as they are). See the module docstring."""
@@ -130,8 +97,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._on_device: bool | None = None
         self._fake = False
         #: (device, parameter dtype) -> (float32 buffer, its parameters, their masters: views of it)
-        self._flats: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, list[nn.Parameter],
-                                                                  list[torch.Tensor]]] = {}
+        self._flats: Flats = {}
         self.sync()
         self._warned_new = bool(self._warned_new)
 
@@ -162,7 +128,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._fake = any(isinstance(p, FakeTensor) or p.is_meta for group in self.optimizer.param_groups
                          for p in group["params"][:1])
         with torch.no_grad():
-            self._consolidate()
+            self._flats = consolidate(self.masters, self._flats, self._fake)
         masters = self.masters
         self._lists = [[masters.get(p, p) for p in group["params"]] for group in self.optimizer.param_groups]
         self._with_master = list(masters)
@@ -274,7 +240,7 @@ class MasterWeights(torch.optim.Optimizer):
                 if value is not None:
                     state[p] = value
             if with_master:
-                self._round_into_parameters(with_master)
+                round_into(self.masters, self._flats, with_master)
             self._ids, self._seen = self._look()  # the rounding written here is no one else's write
 
     def _master_grads(self, grad_scale: torch.Tensor | None) -> dict[nn.Parameter, torch.Tensor]:
@@ -284,8 +250,8 @@ class MasterWeights(torch.optim.Optimizer):
         exact, self._exact = self._exact, {}
         with_grad = [p for p in self._with_master if p.grad is not None]
         if not exact:
-            inverse = None if grad_scale is None else _inverse(grad_scale, grad_scale.device)
-            return dict(zip(with_grad, self._float32_grads(_grads(with_grad), inverse)))
+            inverse = None if grad_scale is None else inverse_of(grad_scale, grad_scale.device)
+            return dict(zip(with_grad, float32_grads(grads_of(with_grad), inverse)))
         out = {p: exact[p][0] for p in with_grad if p in exact and exact[p][1] == (id(p.grad), p.grad._version)}
         changed = [p for p in with_grad if p in exact and p not in out]
         if changed and not self._warned_changed:
@@ -295,105 +261,9 @@ class MasterWeights(torch.optim.Optimizer):
                           "rounded to their dtype; scaler.clip_grad_norm_(optimizer, max_norm) clips the float32 "
                           "gradients exactly", RuntimeWarning, stacklevel=4)
         todo = [p for p in with_grad if p not in out]
-        inverse = None if grad_scale is None else _inverse(grad_scale, grad_scale.device)
-        out.update(zip(todo, self._float32_grads(_grads(todo), inverse)))
+        inverse = None if grad_scale is None else inverse_of(grad_scale, grad_scale.device)
+        out.update(zip(todo, float32_grads(grads_of(todo), inverse)))
         return out
-
-    @torch.no_grad()
-    def unscale_masters_(self, inv_scale: torch.Tensor, norm_sq: torch.Tensor | None = None) -> None:
-        """The scaler's ``unscale_`` for this optimizer: each low-precision gradient divided in float32
-        into a float32 gradient kept for the step (no small value lost), the parameter's gradient holding
-        its rounding (what clipping and logging read); float32 parameters' gradients divided in place.
-        With ``norm_sq``, adds the float32 sum of squares of the unscaled gradients."""
-        self.sync()
-        low = [p for p in self.masters if p.grad is not None]
-        wide = self._float32_grads(_grads(low), inv_scale)
-        plain = [p.grad for p in self._params() if p not in self.masters and p.grad is not None]
-        _scale_(plain, inv_scale)
-        if low:
-            torch._foreach_copy_(_grads(low), wide)
-        self._exact = {p: (w, (id(p.grad), p.grad._version)) for p, w in zip(low, wide)}
-        if norm_sq is not None:
-            grads = [self._exact[p][0] if p in self._exact else p.grad for p in self._params() if p.grad is not None]
-            norm_sq.add_(_norm(grads, 2.0).to(norm_sq.device).square())
-
-    @torch.no_grad()
-    def clip_masters_(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """The scaler's ``clip_grad_norm_`` for this optimizer, after :meth:`unscale_masters_`: the total
-        norm of the float32 gradients (torch's formula), each scaled by torch's clip coefficient; the
-        parameters' gradients hold the result rounded. Returns the total norm."""
-        exact = self._exact
-        low = [p for p in exact if p.grad is not None and exact[p][1] == (id(p.grad), p.grad._version)]
-        wide = [self._exact[p][0] for p in low]
-        # in the optimizer's order, as torch's clip over the same parameters sums them
-        kept = set(low)
-        grads = [exact[p][0] if p in kept else p.grad for p in self._params() if p.grad is not None]
-        total = _norm(grads, norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        _scale_(grads, coef)
-        if low:
-            torch._foreach_copy_(_grads(low), wide)
-        self._exact = {p: (w, (id(p.grad), p.grad._version)) for p, w in zip(low, wide)}
-        return total
-
-    @staticmethod
-    def _float32_grads(grads: list[torch.Tensor], inverse: torch.Tensor | None) -> list[torch.Tensor]:
-        """The gradients in float32, one buffer per device, multiplied by ``inverse`` (1/scale) in float32
-        where given."""
-        out: list[torch.Tensor] = [torch.empty(0)] * len(grads)
-        by_device: dict[torch.device, list[int]] = {}
-        for i, g in enumerate(grads):
-            by_device.setdefault(g.device, []).append(i)
-        for device, index in by_device.items():
-            same = [grads[i] for i in index]
-            if any(g.is_sparse for g in same):
-                views = [g.float() for g in same]
-                if inverse is not None:
-                    views = [v.mul_(inverse.to(device)) for v in views]
-            else:  # one concatenation and one cast (a copy across dtypes per tensor is a launch per tensor)
-                flat = torch._utils._flatten_dense_tensors(same).to(torch.float32)
-                if inverse is not None:
-                    flat.mul_(inverse.to(device))
-                views = list(torch._utils._unflatten_dense_tensors(flat, same))  # one call for every view
-            for v, i in zip(views, index):
-                out[i] = v
-        return out
-
-    def _consolidate(self) -> None:
-        """Each (device, parameter dtype)'s masters made views of one float32 buffer, so that the step
-        rounds them into the parameters with one cast and one same-dtype multi-tensor copy."""
-        groups: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
-        for p in self.masters:
-            groups.setdefault((p.device, p.dtype), []).append(p)
-        flats = {}
-        for key, params in groups.items():
-            held = self._flats.get(key)
-            if held is not None and held[1] == params and all(
-                    self.masters[p].data_ptr() == v.data_ptr() for p, v in zip(params, held[2])):
-                flats[key] = held
-                continue
-            masters = [self.masters[p] for p in params]
-            if self._fake or any(m.is_sparse for m in masters):
-                continue
-            flat = torch._utils._flatten_dense_tensors(masters)
-            views = list(torch._utils._unflatten_dense_tensors(flat, masters))
-            for p, v in zip(params, views):
-                self.masters[p] = v
-            flats[key] = (flat, params, views)
-        self._flats = flats
-
-    @torch.no_grad()
-    def _round_into_parameters(self, with_master: list[nn.Parameter]) -> None:
-        """Each parameter := its master, rounded (written through the parameter: its version moves)."""
-        done: set[int] = set()
-        for (_, dtype), (flat, params, _) in self._flats.items():
-            low = flat.to(dtype)
-            targets: list[torch.Tensor] = list(params)
-            torch._foreach_copy_(targets, list(torch._utils._unflatten_dense_tensors(low, targets)))
-            done.update(id(p) for p in params)
-        rest = [p for p in with_master if id(p) not in done]
-        if rest:
-            torch._foreach_copy_(list[torch.Tensor](rest), [self.masters[p] for p in rest])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -415,10 +285,10 @@ class MasterWeights(torch.optim.Optimizer):
             return loss  # an inf/NaN gradient: nothing moves (the scaler skips the step)
         unscale = None if on_device else grad_scale
         wide = [p for p in self._params() if p not in self.masters and p.grad is not None] if unscale is not None else []
-        held = _grads(wide)
+        held = grads_of(wide)
         with self.on_masters(grads=True, grad_scale=unscale, synced=True):
             if wide and unscale is not None:  # float32 parameters' gradients, unscaled for this step only
-                scaled = torch._foreach_mul(held, _inverse(unscale, held[0].device))
+                scaled = torch._foreach_mul(held, inverse_of(unscale, held[0].device))
                 for p, g in zip(wide, scaled):
                     p.grad = g
             if on_device:
