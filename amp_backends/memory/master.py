@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .master_buffers import Flats, consolidate, float32_grads, grads_of, round_into
+from .master_buffers import Flats, consolidate, float32_grads, grad_key, grads_of, round_into
 from .master_buffers import inverse as inverse_of
 from .master_unscale import ExactUnscale
 
@@ -99,7 +99,6 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
         #: (device, parameter dtype) -> (float32 buffer, its parameters, their masters: views of it)
         self._flats: Flats = {}
         self.sync()
-        self._warned_new = bool(self._warned_new)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -189,7 +188,8 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
                 exact = loaded is not None and torch.equal(loaded.to(p.device, p.dtype), p)
                 master.copy_(loaded if exact and loaded is not None else p)
             stamps[p] = _stamp(p)
-        for p in [p for p in self.masters if p not in set(params)]:
+        held = set(params)
+        for p in [p for p in self.masters if p not in held]:
             del self.masters[p]
             stamps.pop(p, None)
         self._loaded.clear()
@@ -249,10 +249,7 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
         divided by ``grad_scale`` where given)."""
         exact, self._exact = self._exact, {}
         with_grad = [p for p in self._with_master if p.grad is not None]
-        if not exact:
-            inverse = None if grad_scale is None else inverse_of(grad_scale, grad_scale.device)
-            return dict(zip(with_grad, float32_grads(grads_of(with_grad), inverse)))
-        out = {p: exact[p][0] for p in with_grad if p in exact and exact[p][1] == (id(p.grad), p.grad._version)}
+        out = {p: exact[p][0] for p in with_grad if p in exact and exact[p][1] == grad_key(p)}
         changed = [p for p in with_grad if p in exact and p not in out]
         if changed and not self._warned_changed:
             self._warned_changed = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Flats", "consolidate", "float32_grads", "grads_of", "inverse", "norm", "round_into", "scale_"]
+__all__ = ["Flats", "consolidate", "float32_grads", "grad_key", "grads_of", "inverse", "norm", "round_into", "scale_"]
 
 #: (device, parameter dtype) -> (float32 buffer, its parameters, their masters: views of it)
 Flats = dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, list[nn.Parameter], list[torch.Tensor]]]
@@ -42,6 +42,13 @@ def norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 def grads_of(params: list[nn.Parameter]) -> list[torch.Tensor]:
     """The gradients of ``params``, each of which has one."""
     return [p.grad for p in params if p.grad is not None]
+
+
+def grad_key(p: nn.Parameter) -> tuple[int, int]:
+    """Which gradient ``p`` holds and how often it was written: (id, version counter); a gradient
+    replaced or changed in place since gives another key."""
+    assert p.grad is not None
+    return id(p.grad), p.grad._version
 
 
 def inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:

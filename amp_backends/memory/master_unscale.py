@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .master_buffers import float32_grads, grads_of, norm, scale_
+from .master_buffers import float32_grads, grad_key, grads_of, norm, scale_
 
 __all__ = ["ExactUnscale"]
 
@@ -43,7 +43,7 @@ class ExactUnscale:
         scale_(plain, inv_scale)
         if low:
             torch._foreach_copy_(grads_of(low), wide)
-        self._exact = {p: (w, (id(p.grad), p.grad._version)) for p, w in zip(low, wide)}
+        self._exact = {p: (w, grad_key(p)) for p, w in zip(low, wide)}
         if norm_sq is not None:
             grads = [self._exact[p][0] if p in self._exact else p.grad for p in self._params() if p.grad is not None]
             norm_sq.add_(norm(grads, 2.0).to(norm_sq.device).square())
@@ -54,7 +54,7 @@ class ExactUnscale:
         norm of the float32 gradients (torch's formula), each scaled by torch's clip coefficient; the
         parameters' gradients hold the result rounded. Returns the total norm."""
         exact = self._exact
-        low = [p for p in exact if p.grad is not None and exact[p][1] == (id(p.grad), p.grad._version)]
+        low = [p for p in exact if p.grad is not None and exact[p][1] == grad_key(p)]
         wide = [self._exact[p][0] for p in low]
         # in the optimizer's order, as torch's clip over the same parameters sums them
         kept = set(low)
@@ -64,5 +64,5 @@ class ExactUnscale:
         scale_(grads, coef)
         if low:
             torch._foreach_copy_(grads_of(low), wide)
-        self._exact = {p: (w, (id(p.grad), p.grad._version)) for p, w in zip(low, wide)}
+        self._exact = {p: (w, grad_key(p)) for p, w in zip(low, wide)}
         return total
