@@ -367,6 +367,42 @@ def test_block_table_cuts_a_head_only_where_a_gradient_starts_off_the_boundary()
     ]
 
 
+def test_gradients_allocated_again_elsewhere_in_the_same_layout_reuse_their_block_table():
+    """Gradients freed and allocated again at other addresses (``zero_grad(set_to_none=True)``) in the
+    same arrangement get the table already built (the same tensors: nothing built or copied again),
+    with torch's results; a different arrangement gets a table of its own."""
+    sizes = (5, 700, 33, 1)
+    raw = torch.zeros(8192, dtype=torch.float32, device=DEVICE)
+
+    def grads_at(at: int, gap: int = 0) -> list[torch.Tensor]:
+        out = []
+        for n in sizes:
+            out.append(raw[at:at + n])
+            at += n + gap
+        return out
+
+    def table_of(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        base, shift = _kernels._aligned_base(grads[0])
+        ptrs = tuple(g.data_ptr() for g in grads)
+        return _kernels._block_table(ptrs, sizes, 4, base.device, _kernels.tuning(4).block, shift)
+
+    first = table_of(grads_at(0))
+    moved = grads_at(1024)  # 4 KiB further on: the same offsets from an aligned first gradient
+    assert table_of(moved) is first
+    spread = table_of(grads_at(2048, gap=4))
+    assert spread is not first and spread[0].tolist() != first[0].tolist()
+    g = torch.Generator().manual_seed(0)
+    for t in moved:
+        t.copy_(torch.randn(t.numel(), generator=g) * 8)
+    moved[1][7] = math.inf
+    ref, ref_found = _reference(moved, 0.25)
+    found = torch.zeros((), device=DEVICE)
+    _unscale(KERNEL, moved, found, torch.tensor(0.25, device=DEVICE))
+    assert found.item() == ref_found.item() == 1.0
+    for a, b in zip(moved, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_misaligned_gradients_take_the_vectorized_body_with_torchs_results(dtype, monkeypatch):
     """Views packed from a base 1 and VEC-1 elements past a 16-byte boundary (a DDP bucket, a packed

@@ -69,7 +69,12 @@ _NVIDIA_OPTIONS = {"maxnreg": MAXNREG} if not getattr(torch.version, "hip", None
 #: Gradient dtypes the kernel handles; others go to torch's ops.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+#: Block tables by the gradients' addresses (the hit every step where they stay put) and by their
+#: layout relative to the first (offsets and sizes: gradients freed and allocated again at other
+#: addresses in the same arrangement, as ``zero_grad(set_to_none=True)`` leaves them, reuse the
+#: table instead of building and copying a new one).
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_LAYOUTS: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _TABLE_CACHE_SIZE = 16
 #: Lists up to this long are summed on every call to pick torch's op or Triton's (under 3 us).
 _SCAN_UP_TO = 64
@@ -239,11 +244,23 @@ def _block_table(
     if hit is not None:
         _TABLES.move_to_end(key)
         return hit
-    offsets = [(p - ptrs[0]) // itemsize + shift for p in ptrs]
-    table = _TABLES[key] = _table(offsets, numels, device, block, VEC_BYTES // itemsize)
-    if len(_TABLES) > _TABLE_CACHE_SIZE:
-        _TABLES.popitem(last=False)
+    offsets = tuple((p - ptrs[0]) // itemsize + shift for p in ptrs)
+    layout = (device, itemsize, block, offsets, numels)
+    table = _LAYOUTS.get(layout)
+    if table is None:
+        table = _table(offsets, numels, device, block, VEC_BYTES // itemsize)
+    _remember(_LAYOUTS, layout, table)
+    _remember(_TABLES, key, table)
     return table
+
+
+def _remember(cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]], key: tuple,
+              table: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Keep ``table`` under ``key``, the least recently used entry dropped past the cache's size."""
+    cache[key] = table
+    cache.move_to_end(key)
+    if len(cache) > _TABLE_CACHE_SIZE:
+        cache.popitem(last=False)
 
 
 def _launch(
