@@ -29,7 +29,10 @@ echo "middle torch leg: torch $minor.* (rotating over ${MINORS[*]}), torchao ${t
 . .venv-middle/bin/activate
 python -m pip install --quiet --upgrade pip
 # the CPU build where its index answers (a smaller download), else the registry's (a CUDA build; it runs on the CPU)
-if ! python -m pip install --quiet --timeout 15 --retries 0 "torch==$minor.*" --index-url https://download.pytorch.org/whl/cpu \
+if python -m pip install --quiet --timeout 15 --retries 0 "torch==$minor.*" --index-url https://download.pytorch.org/whl/cpu \
+    2> .venv-middle/cpu-index.log; then
+    echo "middle torch leg: torch's CPU build"
+elif echo "middle torch leg: torch's CPU index gave no installable build ($(tail -n 1 .venv-middle/cpu-index.log)); the registry's build" \
     && ! python -m pip install --quiet "torch==$minor.*"; then
     # the registry (or this machine's pip configuration) has no installable torch $minor: nothing was tested
     echo "middle torch leg: torch $minor cannot be installed here (see pip's error above); the leg did not run"
