@@ -9,7 +9,7 @@
 Parts, each with a hard time budget (a part past it is stopped and recorded as timed out) and its
 own try/except (a part that fails is recorded with its error; the others still run):
 
-1. ``tests``: the suite's GPU tests (tests/test_cuda.py, test_triton_kernels.py, test_fp8.py, and
+1. ``tests``: the suite's GPU tests (tests/plugins/test_cuda.py, test_triton_kernels.py, test_fp8.py, and
    test_memory.py's allocator tests) through pytest in a process of its own;
 2. ``memory``: ``amp-backends bench --memory``'s measurement, each mode alone on the allocator
    (fp32, AMP per dtype, lean-bf16, lean-bf16-sr where torchao is installed), on the bench models and
@@ -64,10 +64,10 @@ BUDGETS: dict[str, tuple[float, float]] = {
 TOTAL_BUDGET = 450.0
 SMOKE_BUDGET = 45.0
 
-GPU_TESTS = ["tests/test_cuda.py", "tests/test_triton_kernels.py", "tests/test_fp8.py", "tests/test_memory.py"]
+GPU_TESTS = ["tests/plugins/test_cuda.py", "tests/plugins/test_triton_kernels.py", "tests/precision/test_fp8.py", "tests/memory/test_memory.py"]
 #: every test of the files above but test_memory.py's, of which only the allocator's
 GPU_TESTS_K = "allocator or not test_memory"
-SMOKE_TESTS = ["tests/test_bench.py"]
+SMOKE_TESTS = ["tests/cli/test_bench.py"]
 SMOKE_TESTS_K = "round_times or fp8_gets"
 
 # BERT first (its fp16 overhead is the open question), then GPT-2 and ResNet-50; the libraries' before the built-ins

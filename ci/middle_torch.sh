@@ -44,6 +44,6 @@ python -m pip install --quiet -c .venv-middle/constraints.txt -e . pytest pytest
 python -c "import torch; print('middle torch:', torch.__version__)"
 python -c "from amp_backends.precision.fp8 import engine as fp8; print('fp8 training:', fp8.unavailable_reason() or 'available')"
 python -m pytest -n auto -p no:cacheprovider -m "not slow" \
-    tests/test_fused.py tests/test_mlu.py tests/test_comms.py tests/test_autocast_lists.py \
-    tests/test_plan.py tests/test_mxfp8.py tests/test_warning_format.py \
-    "tests/test_memory.py::test_the_ledger_peak_is_the_allocators_and_its_parts_the_tensors_counted_directly"
+    tests/devices/test_fused.py tests/plugins/test_mlu.py tests/distributed/test_comms.py tests/devices/test_autocast_lists.py \
+    tests/precision/test_plan.py tests/precision/test_mxfp8.py tests/cli/test_warning_format.py \
+    "tests/memory/test_memory.py::test_the_ledger_peak_is_the_allocators_and_its_parts_the_tensors_counted_directly"

@@ -1,6 +1,6 @@
 """FSDP2 with the MixedPrecisionPolicy from the backend and the precision policy
 (amp_backends.distributed.shard_in_low_precision) against fully_shard with hand-written policies,
-on 2 CPU ranks (gloo), launched by torchrun from tests/test_comms.py; collectives counted as dispatched."""
+on 2 CPU ranks (gloo), launched by torchrun from tests/distributed/test_comms.py; collectives counted as dispatched."""
 
 import argparse
 import dataclasses

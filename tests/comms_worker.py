@@ -1,4 +1,4 @@
-"""Low-precision DDP gradient reduction on 2 CPU ranks (gloo), launched by torchrun from tests/test_comms.py.
+"""Low-precision DDP gradient reduction on 2 CPU ranks (gloo), launched by torchrun from tests/distributed/test_comms.py.
 
 Each run builds the same model from the same seed, wraps it in DDP and trains a few steps on this
 rank's data, with one way of reducing gradients: DDP's own float32 all-reduce, our hook

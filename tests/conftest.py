@@ -14,7 +14,7 @@ import torch
 
 # Triton reads TRITON_INTERPRET when it is first imported, and Lightning/Transformers/Accelerate
 # import it while the test modules are collected: set it before any of them (CPU-only machines),
-# so that tests/test_triton_kernels.py runs the kernels in Triton's interpreter.
+# so that tests/plugins/test_triton_kernels.py runs the kernels in Triton's interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -124,7 +124,7 @@ def no_amp_env(monkeypatch: pytest.MonkeyPatch):
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--fuzz-programs", type=int, default=400,
-        help="programs the differential fuzz of the training step runs (tests/test_differential.py); "
+        help="programs the differential fuzz of the training step runs (tests/scaler/test_differential.py); "
              "CI runs the default, thousands on demand",
     )
     parser.addoption(

@@ -68,7 +68,7 @@ def make_program(seed: int) -> Program:
         optimizer=optimizer,
         impl=impl,
         # torch's fused SGD with momentum raises when a parameter gets its first gradient after the others
-        # did (and leaves uninitialised momentum after a skipped first step): tests/test_scaler.py has those
+        # did (and leaves uninitialised momentum after a skipped first step): tests/scaler/test_scaler.py has those
         momentum=r.choice([0.0, 0.9]) if optimizer == "sgd" and impl != "fused" else 0.0,
         weight_decay=r.choice([0.0, 0.01]),
         width=r.choice([5, 12, 13, 16]),

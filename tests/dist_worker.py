@@ -1,4 +1,4 @@
-"""A training worker launched by torchrun from tests/test_distributed.py (2 CPU ranks, gloo).
+"""A training worker launched by torchrun from tests/distributed/test_distributed.py (2 CPU ranks, gloo).
 
 --mode ddp:     DistributedDataParallel; inf enters one rank's gradient before the all-reduce.
 --mode sharded: gradients all-reduced by hand, then inf put into one rank's copy only, so the

@@ -1,4 +1,4 @@
-"""The lazy LM head under DDP on 2 CPU ranks (gloo), launched by torchrun from tests/test_lean_loss.py.
+"""The lazy LM head under DDP on 2 CPU ranks (gloo), launched by torchrun from tests/memory/test_lean_loss.py.
 
 Each rank builds the same tiny LM, wraps it in DDP (then, another, in FSDP2's fully_shard) and runs one
 forward with the head lever on: the lever must be refused (before any gradient is computed), and the

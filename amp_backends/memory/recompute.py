@@ -16,7 +16,7 @@ kept; every other op of the block is run again in backward from those and the bl
 
 Exact: the recomputation runs the same ops on the same inputs, and torch's checkpoint restores the
 CPU's and the inputs' device's random state before it (``preserve_rng_state``), so dropout draws the
-same mask; the loss and every gradient are bitwise the plain model's (``tests/test_lean_recompute.py``).
+same mask; the loss and every gradient are bitwise the plain model's (``tests/memory/test_lean_recompute.py``).
 What it costs is the forward of the recomputed ops once more in backward, and the checkpoint's own
 work per block (docs/memory.md states both as measured).
 

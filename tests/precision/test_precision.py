@@ -21,7 +21,7 @@ from amp_backends import RECIPE, check_model, precision_policy
 from amp_backends.testing import sim_packages_path
 
 from conftest import cpu_only_env, run_json
-from test_mlu import needs_sim_device
+from sim_marks import needs_sim_device
 
 DTYPES = [torch.float16, torch.bfloat16]
 IDS = ["float16", "bfloat16"]

@@ -9,7 +9,7 @@ import pytest
 
 from amp_backends.registry import hookspecs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOOKS = sorted(name for name, obj in vars(hookspecs).items()
                if inspect.isfunction(obj) and hasattr(obj, hookspecs.PROJECT + "_spec"))
 
@@ -26,7 +26,7 @@ def test_hook_has_a_docstring_a_reference_section_and_a_test(hook):
     assert f"### `{hook}`" in contributing, f"CONTRIBUTING.md needs a '### `{hook}`' section"
     section = contributing.split(f"### `{hook}`", 1)[1].split("\n### ", 1)[0]
     assert "register(" in section, f"the {hook} section must say how to call register"
-    users = [p.name for p in (ROOT / "tests").glob("test_*.py")
+    users = [p.name for p in (ROOT / "tests").rglob("test_*.py")
              if p.name != Path(__file__).name and hook in p.read_text()]
     plugin_users = [p for p in (ROOT / "plugins").rglob("*.py") if hook in p.read_text()]
     assert users, f"no test implements {hook}"

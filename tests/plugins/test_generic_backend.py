@@ -21,7 +21,7 @@ from amp_backends.registry import Registry
 from amp_backends.testing import sim_packages_path
 
 from conftest import ACME_SOURCE, cpu_only_env, run_json, run_python
-from test_mlu import needs_sim_device
+from sim_marks import needs_sim_device
 
 GENERIC = [sim_packages_path("generic")]
 needs_accelerator_api = pytest.mark.skipif(

@@ -22,9 +22,9 @@ from amp_backends.memory.lean import LeanError, memory_lean
 from amp_backends.memory.master import MasterWeights
 
 from fp8_marks import needs_torchao
-from test_distributed import torchrun
+from torchrun import torchrun
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: the workers
 
 
 def _mlp(width: int = 32) -> nn.Sequential:

@@ -24,7 +24,7 @@ from amp_backends.memory.chunked_loss import LazyHeadError, LazyLogits, head_lev
 from amp_backends.memory.fused_loss import block_bytes, chunk_rows, linear_cross_entropy
 from amp_backends.memory.saves import _Fp32SavingLow, _layer_norm
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: the workers
 N, H, V = 40, 16, 50  # rows, width, vocabulary: tiny, several blocks at rows=8
 
 
@@ -386,9 +386,9 @@ def test_heads_whose_gradients_others_watch_are_refused_before_training():
 
 
 def test_ddp_and_fsdp2_on_two_ranks_refuse_the_lazy_head_and_ddp_takes_the_fused_loss_inside_its_forward(tmp_path):
-    from test_distributed import _TORCH, torchrun
+    from torchrun import TORCH_MINOR as _TORCH, torchrun
 
-    fsdp2 = _TORCH >= (2, 6)  # fully_shard on CPU (gloo) needs torch 2.6+ (tests/test_distributed.py)
+    fsdp2 = _TORCH >= (2, 6)  # fully_shard on CPU (gloo) needs torch 2.6+ (tests/distributed/test_distributed.py)
     proc = torchrun(HERE / "lean_head_dist_worker.py", "--out", str(tmp_path), *(["--fsdp2"] if fsdp2 else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -7,19 +7,13 @@ No machine here has an MLU; these run the real plugin code against a faithful si
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.utils.backend_registration
 
 from amp_backends.testing import sim_packages_path
 
 from conftest import cpu_only_env, run_json
+from sim_marks import needs_sim_device
 
 SIM = [sim_packages_path("mlu")]
-needs_sim_device = pytest.mark.skipif(
-    not hasattr(torch.utils.backend_registration, "_setup_privateuseone_for_python_backend"),
-    reason="the simulated PrivateUse1 device needs torch.utils.backend_registration."
-    f"_setup_privateuseone_for_python_backend, which torch {torch.__version__} lacks",
-)
 
 SAME_LOOP = """
 import json, math, warnings, torch, amp_backends

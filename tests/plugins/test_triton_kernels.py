@@ -266,7 +266,7 @@ def test_benchmark_script_runs(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "unscale.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "unscale.py"
     out = tmp_path / "u.json"
     env = {**os.environ, "TRITON_INTERPRET": "0" if CUDA else "1"}  # the interpreter cannot read GPU memory
     args = [sys.executable, str(script), "--json", str(out), "--smoke"]
@@ -287,7 +287,7 @@ def test_benchmark_sweep_runs_and_suggests_a_shape_per_element_size(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "bench" / "unscale.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "unscale.py"
     out = tmp_path / "s.json"
     env = {**os.environ, "TRITON_INTERPRET": "0" if CUDA else "1"}
     args = [sys.executable, str(script), "--smoke", "--sweep", "--blocks", "2048,4096", "--warps", "4", "--json", str(out)]

@@ -217,7 +217,7 @@ def test_the_loss_in_blocks_equals_the_plain_loss_and_its_input_gradient(rows):
     matmuls) against the plain bf16 path: the loss to a float32 sum's last bits; the input's gradient within
     2 bf16 eps of the largest and about as close to float64; the weight's gradient, summed in float32, at
     least as close to float64 as the plain path's bf16-rounded one. (The loss recomputed in backward gave a
-    bitwise input gradient; tests/test_lean_loss.py holds the fused loss to torch's in every setting.)"""
+    bitwise input gradient; tests/memory/test_lean_loss.py holds the fused loss to torch's in every setting.)"""
     h, w, y = _head_case()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = F.linear(h, w)

@@ -17,7 +17,7 @@ from amp_backends.scaler import plans
 from amp_backends.testing import sim_packages_path
 
 from conftest import run_json
-from test_mlu import needs_sim_device
+from sim_marks import needs_sim_device
 
 NPU = [sim_packages_path("npu")]
 MUSA = [sim_packages_path("musa")]

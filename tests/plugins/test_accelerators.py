@@ -10,7 +10,6 @@ Unpatched, each backend must say why it is unavailable here (or work, where the 
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import types
 
@@ -25,6 +24,8 @@ from amp_backends_plugins import mps as mps_plugin
 from amp_backends_plugins import xpu as xpu_plugin
 
 from conftest import run_json
+from fake_gpus import patch_nvidia
+from fake_gpus import patch_rocm
 
 
 @pytest.fixture
@@ -211,7 +212,7 @@ def test_mps_device_bugs_are_guarded_where_probed(monkeypatch, fresh_registry):
 
 def test_the_mps_unscale_probe_detects_the_bug_it_guards(monkeypatch):
     """The probe itself, run on the CPU: torch's correct kernel passes; a kernel that zeroes
-    half-precision values is caught. (The fused-kernel probe: tests/test_fused.py.)"""
+    half-precision values is caught. (The fused-kernel probe: tests/devices/test_fused.py.)"""
     assert mps_plugin._unscale_keeps_values("cpu") is True
     real = torch._amp_foreach_non_finite_check_and_unscale_
 
@@ -371,22 +372,8 @@ def test_xpu_survives_failing_device_queries(monkeypatch, fresh_registry, failur
 
 
 # -- ROCm inside the cuda backend ------------------------------------------------------------------
-def _patch_rocm(monkeypatch, arch: str = "gfx942:sramecc+:xnack-", name: str = "AMD Instinct MI300X",
-                hip: str = "6.2.41133-dd7f95766") -> None:
-    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
-    monkeypatch.setattr(torch.version, "cuda", None, raising=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(gcnArchName=arch))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-
-
 def test_rocm_is_named_with_its_release_and_architecture(monkeypatch):
-    _patch_rocm(monkeypatch)
+    patch_rocm(monkeypatch)
     be = cuda_plugin.CUDABackend()
     assert be.is_available()
     assert be.describe() == "AMD Instinct MI300X (ROCm 6.2, gfx942)"
@@ -394,22 +381,12 @@ def test_rocm_is_named_with_its_release_and_architecture(monkeypatch):
 
 
 def test_rocm_bf16_is_native_by_amd_architecture(monkeypatch):
-    _patch_rocm(monkeypatch, arch="gfx908:sramecc+:xnack-", name="AMD Instinct MI100")
+    patch_rocm(monkeypatch, arch="gfx908:sramecc+:xnack-", name="AMD Instinct MI100")
     be = cuda_plugin.CUDABackend()
     assert be.native_dtypes() == (torch.float16, torch.bfloat16), "MI100 (CDNA 1) has bf16 matrix cores"
-    _patch_rocm(monkeypatch, arch="gfx906:sramecc+:xnack-", name="AMD Radeon Instinct MI50")
+    patch_rocm(monkeypatch, arch="gfx906:sramecc+:xnack-", name="AMD Radeon Instinct MI50")
     assert be.native_dtypes() == (torch.float16,), "MI50: bf16 works, emulated"
     assert "gfx906" in be.emulation_reason(torch.bfloat16) and "gfx908" in be.emulation_reason(torch.bfloat16)
-
-
-def _patch_nvidia(monkeypatch, capability: tuple[int, int], name: str) -> None:
-    monkeypatch.setattr(torch.version, "cuda", "12.8", raising=False)
-    monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: capability >= (8, 0))
 
 
 @pytest.mark.parametrize(("capability", "name", "fp8"), [
@@ -418,7 +395,7 @@ def _patch_nvidia(monkeypatch, capability: tuple[int, int], name: str) -> None:
     ((10, 0), "NVIDIA B200", ("float8_e4m3fn", "float8_e5m2")),
 ])
 def test_cuda_declares_fp8_from_compute_capability_8_9(monkeypatch, capability, name, fp8):
-    _patch_nvidia(monkeypatch, capability, name)
+    patch_nvidia(monkeypatch, capability, name)
     be = cuda_plugin.CUDABackend()
     assert tuple(str(d).replace("torch.", "") for d in be.fp8_dtypes()) == fp8
     assert be.fp8_recipes() == (("tensorwise", "rowwise", "rowwise_with_gw_hp") if fp8 else ())
@@ -443,7 +420,7 @@ def test_rocm_declares_fp8_by_architecture_and_rocm_release(monkeypatch, arch, h
     """torch's _scaled_mm_allowed_device and _scaled_mm_out_cuda (ScaledBlas.cpp): gfx942 in the fnuz
     formats; gfx950 and gfx1200/1201 in the OCP formats from ROCm 6.5 (the release torch is built with,
     torch.version.hip); refused below, naming the release to install."""
-    _patch_rocm(monkeypatch, arch=arch, hip=hip)
+    patch_rocm(monkeypatch, arch=arch, hip=hip)
     be = cuda_plugin.CUDABackend()
     assert tuple(str(d).replace("torch.", "") for d in be.fp8_dtypes()) == fp8
     if said is None:
@@ -458,7 +435,7 @@ def test_rocm_declares_fp8_by_architecture_and_rocm_release(monkeypatch, arch, h
                                                    ((2, 7), ("tensorwise", "rowwise", "rowwise_with_gw_hp"))])
 def test_rocm_rowwise_fp8_from_torch_2_7(monkeypatch, release, recipes):
     """Upstream torch's hipBLASLt rowwise fp8 (pytorch PR 144432) landed after the 2.6 branch cut."""
-    _patch_rocm(monkeypatch)
+    patch_rocm(monkeypatch)
     monkeypatch.setattr(cuda_plugin, "torch_release", lambda: release)
     be = cuda_plugin.CUDABackend()
     assert be.fp8_recipes() == recipes
@@ -528,7 +505,7 @@ def test_hpu_declares_fp8_by_gaudi_generation(monkeypatch, fresh_registry, gener
 def test_info_shows_fp8_per_backend(monkeypatch, fresh_registry):
     import amp_backends.cli.info  # a submodule: imported here, not by another test first
 
-    _patch_nvidia(monkeypatch, (9, 0), "NVIDIA H100")
+    patch_nvidia(monkeypatch, (9, 0), "NVIDIA H100")
     monkeypatch.setattr(amp_backends.cli.info, "_fp8_engine", lambda needed: {"torchao": "0.18.0", "problem": None,
                                                                           "checked": needed})
     data = amp_backends.cli.info.collect()
@@ -551,7 +528,7 @@ def test_amd_bf16_rule(arch, native):
 def test_a_kernel_is_adopted_on_rocm_only_after_its_self_check(monkeypatch):
     """On ROCm the device type is cuda: the registry's self-check runs there as on NVIDIA; a kernel
     that fails it is not adopted."""
-    _patch_rocm(monkeypatch)
+    patch_rocm(monkeypatch)
     from amp_backends import Kernel
     from amp_backends.registry import Registry
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import threading
 import warnings
 from pathlib import Path
@@ -19,24 +16,12 @@ import torch
 import amp_backends
 from amp_backends import distributed
 
-HERE = Path(__file__).resolve().parent
+from torchrun import TESTS, TORCH_MINOR, torchrun
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
-def torchrun(script: Path, *args: str, cwd: Path = HERE, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMP_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env["AMP_BACKEND"] = "cpu"
-    env["OMP_NUM_THREADS"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: a GPU would be picked by DeviceMesh and DDP otherwise
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=300,
-    )
-
-
 def run_worker(tmp_path: Path, *args: str) -> list[dict]:
-    proc = torchrun(HERE / "dist_worker.py", "--out", str(tmp_path), *args)
+    proc = torchrun(TESTS / "dist_worker.py", "--out", str(tmp_path), *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -79,7 +64,7 @@ def test_without_found_inf_sync_sharded_ranks_diverge(tmp_path):
 
 
 def run_parity(tmp_path: Path, *args: str, env_extra: dict | None = None) -> list[dict]:
-    proc = torchrun(HERE / "dist_parity_worker.py", "--out", str(tmp_path), *args, env_extra=env_extra)
+    proc = torchrun(TESTS / "dist_parity_worker.py", "--out", str(tmp_path), *args, env_extra=env_extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -103,9 +88,8 @@ def _check_parity(ranks: list[dict], grad_type: str, bitwise: bool, kernel: str 
     assert ranks[0]["ours"] == ranks[1]["ours"]
 
 
-_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 needs_cpu_fsdp2 = pytest.mark.skipif(
-    _TORCH < (2, 6), reason="FSDP2 on CPU (gloo) needs torch 2.6+: torch 2.4's fully_shard creates CUDA streams"
+    TORCH_MINOR < (2, 6), reason="FSDP2 on CPU (gloo) needs torch 2.6+: torch 2.4's fully_shard creates CUDA streams"
 )
 
 
@@ -182,7 +166,7 @@ def test_ddp_bucket_views_take_gradients_out_of_the_arena_safely(tmp_path):
 
 
 def test_ddp_example_under_torchrun():
-    proc = torchrun(HERE.parent / "examples" / "ddp.py", cwd=HERE.parent / "examples")
+    proc = torchrun(TESTS.parent / "examples" / "ddp.py", cwd=TESTS.parent / "examples")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"ddp: world_size=2 backend=gloo final_loss=0\.[0-2]\d* ranks_identical=True", proc.stdout), proc.stdout
 

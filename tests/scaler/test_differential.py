@@ -6,7 +6,7 @@ probes, a kept view with a pruned gradient, model surgery, the optimizer made ag
 runs the whole step compiled, against the same step eager and against torch's scaler compiled the
 same way.
 
-    pytest tests/test_differential.py --fuzz-programs 5000      # thousands on demand
+    pytest tests/scaler/test_differential.py --fuzz-programs 5000      # thousands on demand
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 more graph breaks and no more graphs than torch's scaler in the same program (dynamo's own counters),
 fused and foreach optimizers, the scaler's clip, gradient accumulation and the gradient arena.
 (Equality of the results, compiled against eager and against torch's scaler compiled, is in
-tests/test_differential.py.)"""
+tests/scaler/test_differential.py.)"""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ L = pytest.importorskip("lightning")
 from amp_backends import PerformanceWarning
 from amp_backends.integrations.lightning import AmpPrecision
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: the workers
 INJECT = 2
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 

@@ -243,11 +243,11 @@ def test_importing_the_package_imports_no_torchao():
     ((12, 0), "NVIDIA GeForce RTX 5090", "compute capability 12.0"),
 ])
 def test_cuda_declares_no_mxfp8_outside_compute_capability_10(monkeypatch, capability, name, said):
-    from test_accelerators import _patch_nvidia
+    from fake_gpus import patch_nvidia
 
     from amp_backends_plugins import cuda as cuda_plugin
 
-    _patch_nvidia(monkeypatch, capability, name)
+    patch_nvidia(monkeypatch, capability, name)
     be = cuda_plugin.CUDABackend()
     assert be.mx_formats() == () and said in be.mx_unavailable_reason() and "10.x" in be.mx_unavailable_reason()
     with pytest.raises(Fp8UnavailableError, match=rf"backend 'cuda' \({name} .*{said}.*emulate=True"):
@@ -258,11 +258,11 @@ def test_cuda_declares_no_mxfp8_outside_compute_capability_10(monkeypatch, capab
 def test_cuda_on_compute_capability_10_needs_torchaos_mx_kernels(monkeypatch):
     """A B200 as torch reports it, with this machine's torchao (no CUDA build of its MX kernels, or none
     at all): MXFP8 is not declared, and the reason names what the installed torchao lacks."""
-    from test_accelerators import _patch_nvidia
+    from fake_gpus import patch_nvidia
 
     from amp_backends_plugins import cuda as cuda_plugin
 
-    _patch_nvidia(monkeypatch, (10, 0), "NVIDIA B200")
+    patch_nvidia(monkeypatch, (10, 0), "NVIDIA B200")
     be = cuda_plugin.CUDABackend()
     why = be.mx_unavailable_reason()
     assert be.mx_formats() == () and why.startswith("cannot run torchao's MXFP8 layer")
@@ -271,11 +271,11 @@ def test_cuda_on_compute_capability_10_needs_torchaos_mx_kernels(monkeypatch):
 
 @pytest.mark.parametrize(("arch", "said"), [("gfx942:sramecc+:xnack-", "gfx942"), ("gfx90a", "gfx90a")])
 def test_rocm_declares_no_mxfp8_before_gfx950(monkeypatch, arch, said):
-    from test_accelerators import _patch_rocm
+    from fake_gpus import patch_rocm
 
     from amp_backends_plugins import cuda as cuda_plugin
 
-    _patch_rocm(monkeypatch, arch=arch)
+    patch_rocm(monkeypatch, arch=arch)
     be = cuda_plugin.CUDABackend()
     assert be.mx_formats() == () and said in be.mx_unavailable_reason() and "gfx950" in be.mx_unavailable_reason()
 
@@ -381,7 +381,7 @@ def test_mx_layers_train_under_ddp_and_fsdp2_as_by_hand(tmp_path, wrap):
     layer is left (MX blocks of 32)."""
     import json
 
-    from test_distributed import HERE, torchrun
+    from torchrun import TESTS as HERE, torchrun
 
     proc = torchrun(HERE / "fp8_dist_worker.py", "--wrap", wrap, "--recipe", "mxfp8_with_gw_hp", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,7 +16,7 @@ import pytest
 from amp_backends.testing import SIMULATED, sim_packages_path
 
 from conftest import cpu_only_env, run_json
-from test_mlu import needs_sim_device
+from sim_marks import needs_sim_device
 
 NPU = [sim_packages_path("npu")]
 MUSA = [sim_packages_path("musa")]
@@ -153,7 +153,7 @@ def test_extension_imported_only_when_asked_for(name, module):
 
 
 def _two_ranks(tmp_path, backend: str, env: dict[str, str], *extra: str) -> list[dict]:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # tests/: the workers
     full = {k: v for k, v in os.environ.items() if not k.startswith(("AMP_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     full.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env})
     full["PYTHONPATH"] = os.pathsep.join([str(p) for p in NPU] + [full.get("PYTHONPATH", "")])

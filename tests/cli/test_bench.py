@@ -217,7 +217,7 @@ def _gpu_check():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -361,7 +361,7 @@ def test_two_ranks_train_fp8_exactly_as_the_steps_computed_by_hand(tmp_path, wra
     equal, bitwise, those of one fp8 model stepped with the ranks' gradients averaged by hand."""
     import json
 
-    from test_distributed import HERE, torchrun
+    from torchrun import TESTS as HERE, torchrun
 
     proc = torchrun(HERE / "fp8_dist_worker.py", "--wrap", wrap, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -380,7 +380,7 @@ def test_fsdp2_gathers_the_fp8_weights_in_fp8_and_trains_as_by_hand(tmp_path):
     bitwise, the model stepped by hand without sharding."""
     import json
 
-    from test_distributed import HERE, torchrun
+    from torchrun import TESTS as HERE, torchrun
 
     proc = torchrun(HERE / "fp8_dist_worker.py", "--wrap", "fsdp2", "--all-gather", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,9 +14,9 @@ import torch
 import amp_backends
 from amp_backends.devices import collectives
 from amp_backends.distributed import CollectiveError, library_of, sharding
-from test_distributed import torchrun
+from torchrun import torchrun
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: the workers
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXPECT = {
     "plain_loop.py": r"backend=cpu dtype=torch.bfloat16 final_loss=0\.0[0-9]+ skipped=0",
     "grad_accumulation.py": r"accumulated 4 micro-batches per step: final_loss=0\.[0-2]",
@@ -21,7 +21,7 @@ EXPECT = {
 }
 
 
-UNDER_TORCHRUN = {"ddp.py"}  # run with two ranks by tests/test_distributed.py
+UNDER_TORCHRUN = {"ddp.py"}  # run with two ranks by tests/distributed/test_distributed.py
 
 
 def test_every_example_is_covered():

@@ -17,7 +17,7 @@ from amp_backends import check_model
 from amp_backends.testing import sim_packages_path
 
 from conftest import cpu_only_env, run_json
-from test_mlu import needs_sim_device
+from sim_marks import needs_sim_device
 
 pytestmark = pytest.mark.filterwarnings("ignore::amp_backends.PerformanceWarning")
 FP16 = torch.float16
