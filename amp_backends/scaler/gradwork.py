@@ -37,10 +37,10 @@ class GradientOp:
         return scale.double().reciprocal().float() if self.device.has_fp64 else scale.reciprocal()
 
     def run(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor | None, found_inf: torch.Tensor,
-            allow_fp16: bool, norm_sq: torch.Tensor | None = None, scale_known_normal: bool = False, *,
+            allow_fp16: bool, norm_sq: torch.Tensor | None = None, inv_scale_finite: bool = False, *,
             inv_scale: torch.Tensor | None = None) -> tuple[dict[torch.device, torch.Tensor], FlatGrads | None]:
         """Unscale ``optimizer``'s gradients by 1/``scale`` and check them (``scale`` None: check only),
-        adding the fp32 sum of squares to ``norm_sq`` when given. ``scale_known_normal``: the caller knows
+        adding the fp32 sum of squares to ``norm_sq`` when given. ``inv_scale_finite``: the caller knows
         1/scale is finite; ``inv_scale``: 1/scale computed by the caller (torch's ``_unscale_grads_``).
         Returns found_inf per device and the arena whose buffers the op ran on (None:
         a walk found the gradients)."""
@@ -49,8 +49,8 @@ class GradientOp:
             self.kernel = kernel_for(self.device)
         if inv_scale is None and scale is not None:
             inv_scale = self.inv_scale(scale)
-        found = executor.run_(self.device, self.kernel, groups, found_inf, inv_scale, norm_sq,
-                              factor_finite=scale_known_normal)
+        found = executor.run_on_groups_(self.device, self.kernel, groups, found_inf, inv_scale, norm_sq,
+                                        inv_scale_finite=inv_scale_finite)
         if self.device.global_overflow_status:
             if not found and consensus.ranks_agree_on_status(self.process_group):
                 # no gradient on this rank: it reads its status and still takes part in the agreement the
