@@ -146,4 +146,6 @@ def test_the_triton_plugins_op_runs_without_calling_back_into_the_core(arena, cl
     assert entered == [("amp_backends.gradients.executor", plugin)], entered
     back = [(a, b) for a, b in calls if a.startswith(plugin) and b.startswith("amp_backends.")]
     assert not back, f"the plugin's op called back into the core: {back}"
+    asked = {b for _, b in calls if b.startswith("amp_backends.registry")}
+    assert not asked, f"a settled step (its clip too) asks the registry nothing: {asked}"
     assert torch.isfinite(torch.cat([p.detach().float().flatten() for p in model.parameters()])).all()

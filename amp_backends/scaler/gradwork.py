@@ -32,6 +32,13 @@ class GradientOp:
         #: the kernel the op runs on, settled at the first op (the registry's choice, or one pinned on the backend)
         self.kernel: Kernel | None = None
 
+    def settled_kernel(self) -> Kernel:
+        """The kernel the op runs on: the registry's choice (or one pinned on the backend) at the first
+        call, then kept, so that the clip asks the kernel the op runs rather than the registry again."""
+        if self.kernel is None:
+            self.kernel = kernel_for(self.device)
+        return self.kernel
+
     def inv_scale(self, scale: torch.Tensor) -> torch.Tensor:
         """1/scale as torch computes it (in float64), or in float32 where the device has no float64."""
         return scale.double().reciprocal().float() if self.device.has_fp64 else scale.reciprocal()
@@ -45,11 +52,10 @@ class GradientOp:
         Returns found_inf per device and the arena whose buffers the op ran on (None:
         a walk found the gradients)."""
         groups, arena = collect(optimizer, allow_fp16, norm_sq is not None)
-        if self.kernel is None:
-            self.kernel = kernel_for(self.device)
+        kernel = self.settled_kernel()
         if inv_scale is None and scale is not None:
             inv_scale = self.inv_scale(scale)
-        found = executor.run_on_groups_(self.device, self.kernel, groups, found_inf, inv_scale, norm_sq,
+        found = executor.run_on_groups_(self.device, kernel, groups, found_inf, inv_scale, norm_sq,
                                         inv_scale_finite=inv_scale_finite)
         if self.device.global_overflow_status:
             if not found and consensus.ranks_agree_on_status(self.process_group):

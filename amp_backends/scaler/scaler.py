@@ -25,7 +25,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ..devices.contract import Device
 from ..eager import eager, eager_frame
-from ..registry.registry import kernel_for, resolve_backend
+from ..registry.registry import resolve_backend
 from . import clipping, steps
 from .checkpointing import Checkpointing
 from .gradwork import GradientOp
@@ -262,7 +262,7 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
         return steps.unscale(self, optimizer, with_norm, "clip_grad_norm_" if with_norm else "unscale_")
 
     def _clip_one_pass(self) -> bool:
-        return bool(kernel_for(self.backend).one_pass_norm)
+        return bool(self._grads.settled_kernel().one_pass_norm)
 
     def _clip_total(self, total: torch.Tensor) -> torch.Tensor:
         """The norm as the step will see it: inf where the scale underflowed to 0, or where a
