@@ -149,7 +149,7 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
         frame of its own, as with torch's scaler: every other call here runs eagerly.
         """
         treatment = self._treatments.get(optimizer) or self._treatment(optimizer)
-        if treatment.skips_on_device and momentum_buffers_missing(optimizer):
+        if treatment.skips_on_device and isinstance(optimizer, torch.optim.SGD) and momentum_buffers_missing(optimizer):
             treatment = Treatment.FROM_HOST  # fused SGD: a step skipped on the device leaves new buffers unset
         if treatment is Treatment.REFUSED:
             raise steps.refusal(self, optimizer)
