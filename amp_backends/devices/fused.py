@@ -7,15 +7,18 @@ torch: op-plugin's Ascend ``_fused_adamw_`` accepts both and reads neither; torc
 Adam and AdamW outright; an older MPS fused Adam asserted both were None; a kernel may skip on
 found_inf and never divide by grad_scale, and would then step on gradients multiplied by the loss
 scale. A device declares what it knows per kind of optimizer (:attr:`Device.fused_found_inf`), and
-what it does not declare is probed once on the device (:func:`probe`); :func:`kernel_of` answers
-for one optimizer. The scaler hands ``grad_scale`` and ``found_inf`` only to a kernel that honours
-both, hands a scale-blind one ``found_inf`` after unscaling its gradients itself, and skips every
-other step itself.
+what it does not declare is probed once on the device (:func:`probe`); :func:`fused_kernel_of` answers
+for one optimizer with a :class:`FusedOptimizerKernel` (a :class:`FusedStatus` and where it is
+known from). The scaler hands ``grad_scale`` and ``found_inf`` only to a kernel that honours both,
+hands a scale-blind one ``found_inf`` after unscaling its gradients itself, and skips every other
+step itself.
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,25 +31,53 @@ if TYPE_CHECKING:
     from .contract import Device
 
 __all__ = ["ABSENT", "HONOURS", "IGNORES", "PROBE_SCALE", "REFUSED", "REJECTS", "SCALE_BLIND", "STATUSES",
-           "FusedKernel", "forget", "kernel_of", "kind_of", "probe",
-           "runs_fused_kernel"]
+           "FusedOptimizerKernel", "FusedStatus", "forget", "fused_kernel_of", "kind_of", "probe", "runs_fused_kernel", "status_of"]
 
-#: The kernel skips the step when handed found_inf = 1 and divides the gradients by grad_scale
-#: otherwise (torch's own kernels, torch_mlu's).
-HONOURS = "honours"
-#: It skips the step when handed found_inf = 1 but does not divide the gradients by grad_scale, or is
-#: not known to (op-plugin's ``_fused_sgd_`` hands grad_scale to CANN, whose use of it is not visible):
-#: the scaler unscales the gradients first and hands it found_inf with grad_scale None.
-SCALE_BLIND = "scale_blind"
-#: It takes grad_scale and found_inf and does not read them (op-plugin's ``_fused_adamw_``).
-IGNORES = "ignores"
-#: It refuses to be handed them (raises) but steps without them (an older MPS fused Adam).
-REJECTS = "rejects"
-#: The device has no such fused kernel (torch_musa registers no ``_fused_adagrad_`` and has no CPU fallback).
-ABSENT = "absent"
-#: The extension refuses the fused optimizer itself (torch_musa's fused Adam and AdamW).
-REFUSED = "refused"
-STATUSES = (HONOURS, IGNORES, REJECTS, ABSENT, REFUSED, SCALE_BLIND)
+
+class FusedStatus(str, enum.Enum):
+    """What a fused optimizer kernel does with ``grad_scale`` and ``found_inf``. A ``str`` Enum: a
+    status declared as a string (``fused_found_inf = {"adam": "honours"}``) is the same status."""
+
+    #: The kernel skips the step when handed found_inf = 1 and divides the gradients by grad_scale
+    #: otherwise (torch's own kernels, torch_mlu's).
+    HONOURS = "honours"
+    #: It takes grad_scale and found_inf and does not read them (op-plugin's ``_fused_adamw_``).
+    IGNORES = "ignores"
+    #: It refuses to be handed them (raises) but steps without them (an older MPS fused Adam).
+    REJECTS = "rejects"
+    #: The device has no such fused kernel (torch_musa registers no ``_fused_adagrad_`` and has no CPU fallback).
+    ABSENT = "absent"
+    #: The extension refuses the fused optimizer itself (torch_musa's fused Adam and AdamW).
+    REFUSED = "refused"
+    #: It skips the step when handed found_inf = 1 but does not divide the gradients by grad_scale, or is
+    #: not known to (op-plugin's ``_fused_sgd_`` hands grad_scale to CANN, whose use of it is not visible):
+    #: the scaler unscales the gradients first and hands it found_inf with grad_scale None.
+    SCALE_BLIND = "scale_blind"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+# The statuses by their module-level names, as plugins and earlier releases spell them: typed ``str``,
+# as a device's declarations (``Mapping[str, str | tuple[str, str]]``) hold them.
+HONOURS: str = FusedStatus.HONOURS
+IGNORES: str = FusedStatus.IGNORES
+REJECTS: str = FusedStatus.REJECTS
+ABSENT: str = FusedStatus.ABSENT
+REFUSED: str = FusedStatus.REFUSED
+SCALE_BLIND: str = FusedStatus.SCALE_BLIND
+STATUSES = tuple(FusedStatus)
+
+
+def status_of(value: str) -> FusedStatus:
+    """The :class:`FusedStatus` a string names (``"honours"``), or a ValueError listing them."""
+    try:
+        return FusedStatus(value)
+    except ValueError:
+        raise ValueError(f"a fused kernel's status is one of {', '.join(STATUSES)}, got {value!r}") from None
 
 _KINDS = ((torch.optim.AdamW, "adamw"), (torch.optim.Adam, "adam"), (torch.optim.SGD, "sgd"),
           (torch.optim.Adagrad, "adagrad"))
@@ -59,23 +90,23 @@ _GRAD = (0.5, -0.25, 1.0, 0.125)
 
 
 @dataclass(frozen=True)
-class FusedKernel:
-    """What one fused optimizer kernel does on one device, and where that is known from."""
+class FusedOptimizerKernel:
+    """What one fused optimizer kernel does on one device, and where that is known from. ``status``
+    may be given as its string (``"honours"``); it is kept as the :class:`FusedStatus`."""
 
-    status: str
+    status: FusedStatus
     #: the source (declared) or what the probe saw
     note: str = ""
 
     def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"a fused kernel's status is one of {', '.join(STATUSES)}, got {self.status!r}")
+        object.__setattr__(self, "status", status_of(self.status))  # frozen: a string given is kept as its member
 
 
 #: What the probe found, per device, keyed by (optimizer class, defaults): asked once per process.
-_PROBED: weakref.WeakKeyDictionary[Any, dict[Any, FusedKernel]] = weakref.WeakKeyDictionary()
+_PROBED: weakref.WeakKeyDictionary[Any, dict[Any, FusedOptimizerKernel]] = weakref.WeakKeyDictionary()
 
 
-def kernel_of(device: Device, optimizer: torch.optim.Optimizer) -> FusedKernel:
+def fused_kernel_of(device: Device, optimizer: torch.optim.Optimizer) -> FusedOptimizerKernel:
     """What ``optimizer``'s fused kernel does on ``device``: as the device declares it
     (:attr:`~.contract.Device.fused_found_inf`), else probed once on the device (cached per class and
     defaults). An optimizer whose ``step`` takes ``grad_scaler=`` (torch_mlu's FusedLAMBAMP) checks
@@ -83,16 +114,16 @@ def kernel_of(device: Device, optimizer: torch.optim.Optimizer) -> FusedKernel:
     whose step is Python, as amp_backends' master-weight optimizer) is taken at its word."""
     own = getattr(type(optimizer), "amp_found_inf", None)
     if own is not None:
-        return FusedKernel(own, f"{type(optimizer).__name__} says its step {own} found_inf")
+        return FusedOptimizerKernel(own, f"{type(optimizer).__name__} says its step {own} found_inf")
     if not device.fused_steps_honour_found_inf:
-        return FusedKernel(IGNORES, f"backend {device.name!r}: fused_steps_honour_found_inf = False")
+        return FusedOptimizerKernel(FusedStatus.IGNORES, f"backend {device.name!r}: fused_steps_honour_found_inf = False")
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-        return FusedKernel(HONOURS, "its step(grad_scaler=) checks found_inf itself")
+        return FusedOptimizerKernel(FusedStatus.HONOURS, "its step(grad_scaler=) checks found_inf itself")
     kind = kind_of(optimizer)
     declared = (device.fused_found_inf or {}).get(kind)
     if declared is not None:
         status, note = (declared, "declared") if isinstance(declared, str) else declared
-        return FusedKernel(status, f"backend {device.name!r}: {note}")
+        return FusedOptimizerKernel(status_of(status), f"backend {device.name!r}: {note}")
     try:
         cache = _PROBED.setdefault(device, {})
     except TypeError:  # a device that cannot be weakly referenced: probed each time
@@ -124,7 +155,7 @@ def runs_fused_kernel(optimizer: torch.optim.Optimizer) -> bool:
         any(group.get("fused") for group in optimizer.param_groups)
 
 
-def probe(optimizer: torch.optim.Optimizer, device: torch.device) -> FusedKernel:
+def probe(optimizer: torch.optim.Optimizer, device: torch.device) -> FusedOptimizerKernel:
     """Step ``optimizer``'s class, with its defaults, on a 4-element parameter on ``device``, twice:
 
     1. handed ``found_inf = 1`` (and ``grad_scale`` = :data:`PROBE_SCALE`): the parameter unchanged
@@ -142,7 +173,7 @@ def probe(optimizer: torch.optim.Optimizer, device: torch.device) -> FusedKernel
     except Exception as first:  # noqa: BLE001 - a refusal is a finding
         return _without_hand_over(optimizer, device, where, first)
     if not skipped:
-        return FusedKernel(IGNORES, f"{where}: it stepped although handed found_inf = 1")
+        return FusedOptimizerKernel(FusedStatus.IGNORES, f"{where}: it stepped although handed found_inf = 1")
     try:
         fused_run = _stepped(optimizer, device, fused=True)
     except Exception as exc:  # noqa: BLE001 - it skips, but a real step with grad_scale fails
@@ -150,18 +181,18 @@ def probe(optimizer: torch.optim.Optimizer, device: torch.device) -> FusedKernel
     try:
         reference = _stepped(optimizer, device, fused=False)
     except Exception as exc:  # noqa: BLE001 - no unfused step to compare with: grad_scale not trusted
-        return FusedKernel(SCALE_BLIND, f"{where}: it skips on found_inf; whether it divides by grad_scale could "
+        return FusedOptimizerKernel(FusedStatus.SCALE_BLIND, f"{where}: it skips on found_inf; whether it divides by grad_scale could "
                                         f"not be checked (the unfused step failed: {type(exc).__name__}: "
                                         f"{_first_line(exc)})")
     if _same(fused_run, reference):
-        return FusedKernel(HONOURS, f"{where}: it skips on found_inf and divides by grad_scale")
+        return FusedOptimizerKernel(FusedStatus.HONOURS, f"{where}: it skips on found_inf and divides by grad_scale")
     try:
         blind = _same(fused_run, _stepped(optimizer, device, fused=False, scaled=True))
     except Exception:  # noqa: BLE001 - only the note depends on it
         blind = False
     what = ("steps on the gradient still multiplied by grad_scale" if blind else
             "steps differently from the unfused step on the unscaled gradient")
-    return FusedKernel(SCALE_BLIND, f"{where}: it skips on found_inf but, handed grad_scale = {PROBE_SCALE:g}, {what}")
+    return FusedOptimizerKernel(FusedStatus.SCALE_BLIND, f"{where}: it skips on found_inf but, handed grad_scale = {PROBE_SCALE:g}, {what}")
 
 
 def _probe_param(device: torch.device, scale: float = 1.0) -> torch.nn.Parameter:
@@ -182,15 +213,15 @@ def _skips(optimizer: torch.optim.Optimizer, device: torch.device, hand_over: bo
 
 
 def _without_hand_over(optimizer: torch.optim.Optimizer, device: torch.device, where: str,
-                       first: BaseException) -> FusedKernel:
+                       first: BaseException) -> FusedOptimizerKernel:
     """A step handed grad_scale/found_inf raised: REJECTS if one without them runs, else why not."""
     try:
         _skips(optimizer, device, hand_over=False)
     except NotImplementedError as exc:
-        return FusedKernel(ABSENT, f"{where}: {_first_line(exc)}")
+        return FusedOptimizerKernel(FusedStatus.ABSENT, f"{where}: {_first_line(exc)}")
     except Exception as exc:  # noqa: BLE001 - the extension's own refusal, its message kept
-        return FusedKernel(REFUSED, f"{where}: {type(exc).__name__}: {_first_line(exc)}")
-    return FusedKernel(REJECTS, f"{where}: {type(first).__name__}: {_first_line(first)}")
+        return FusedOptimizerKernel(FusedStatus.REFUSED, f"{where}: {type(exc).__name__}: {_first_line(exc)}")
+    return FusedOptimizerKernel(FusedStatus.REJECTS, f"{where}: {type(first).__name__}: {_first_line(first)}")
 
 
 def _stepped(optimizer: torch.optim.Optimizer, device: torch.device, fused: bool,
@@ -232,3 +263,17 @@ def _defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def _first_line(exc: BaseException) -> str:
     return first_line(exc) or type(exc).__name__
+
+
+#: Earlier names, answered with a DeprecationWarning until release 0.3.0 removes them: a fused
+#: optimizer's kernel read beside the gradient op's ``Kernel`` as if it were the same kind of thing.
+_RENAMED = {"FusedKernel": "FusedOptimizerKernel", "kernel_of": "fused_kernel_of"}
+
+
+def __getattr__(name: str) -> Any:
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is now {new} (the old name goes in 0.3.0): use {new}",
+                  DeprecationWarning, stacklevel=2)
+    return globals()[new]

@@ -1,11 +1,13 @@
 """The GradScaler: torch's ``torch.amp.GradScaler`` with the backend's gradient op.
 
-Owns the scaler (:mod:`.scaler`), the plan each optimizer's step follows (:mod:`.plans`), clipping
-(:mod:`.clipping`), the counters (:mod:`.telemetry`), argument checks (:mod:`.validation`) and
-agreement across ranks (:mod:`.consensus`).
+Owns the scaler (:mod:`.scaler`, whose ``step`` reads top to bottom as torch's), how each optimizer's
+step is treated (:mod:`.treatment`: a ``Treatment`` chosen once per optimizer), the step's branches
+and the unscale they share (:mod:`.steps`), the gradient op over one optimizer (:mod:`.gradwork`),
+clipping (:mod:`.clipping`), the counters (:mod:`.telemetry`), argument checks (:mod:`.validation`)
+and agreement across ranks (:mod:`.consensus`).
 
-May import: :mod:`amp_backends.registry`, :mod:`amp_backends.gradients.collect`, :mod:`amp_backends.devices`,
-:mod:`amp_backends.eager`, :mod:`amp_backends.errors`.
+May import: :mod:`amp_backends.registry`, :mod:`amp_backends.gradients` (``collect``, ``executor``, ``kernel``,
+``groups``; ``arena`` for types), :mod:`amp_backends.devices`, :mod:`amp_backends.eager`, :mod:`amp_backends.errors`.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class Checkpointing(torch.amp.GradScaler):
         state = super().__getstate__()
         state["backend"] = self.backend.name  # resolved again from the registry on load
         state["_grads"] = pg
-        state["_plans"] = None
+        state["_treatments"] = None
         state["_telemetry"] = self._telemetry.for_pickling(self._enabled, state["_init_scale"],
                                                            state.get("_init_growth_tracker", 0))
         return state
@@ -62,6 +62,7 @@ class Checkpointing(torch.amp.GradScaler):
         state = dict(state)
         state["backend"] = get(state["backend"])
         state["_grads"] = GradientOp(state["backend"], state["_grads"])
-        state["_plans"] = weakref.WeakKeyDictionary()
+        state.pop("_plans", None)  # pickled before the treatments replaced the plans
+        state["_treatments"] = weakref.WeakKeyDictionary()
         super().__setstate__(state)
 

@@ -3,7 +3,7 @@
 With torch's kernel this is ``unscale_`` followed by ``torch.nn.utils.clip_grad_norm_`` over the
 optimizer's parameters, bit for bit (a fused optimizer then steps on the unscaled gradients, as in
 torch's recipe); with a kernel that measures while it unscales (Triton), one pass that unscales,
-checks and sums squares, then the multiply. It asks the scaler for four things only (:class:`Unscaling`).
+checks and sums squares, then the multiply. It asks the scaler for four things only (:class:`ScalerForClipping`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from ..gradients.groups import ARENA_ATTR, group_by_device_and_dtype
 if TYPE_CHECKING:
     from ..gradients.arena import FlatGrads
 
-__all__ = ["Unscaling", "clip", "group_norms"]
+__all__ = ["ScalerForClipping", "clip", "group_norms"]
 
 
-class Unscaling(Protocol):
+class ScalerForClipping(Protocol):
     """What clipping needs of the scaler (:class:`~.scaler.GradScaler` implements it)."""
 
     def _clip_stage(self, optimizer: torch.optim.Optimizer) -> OptState:
@@ -49,7 +49,7 @@ def params_with_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return params
 
 
-def group_norms(scaler: Unscaling, optimizer: torch.optim.Optimizer, norm_type: float) -> tuple[torch.Tensor, ...]:
+def group_norms(scaler: ScalerForClipping, optimizer: torch.optim.Optimizer, norm_type: float) -> tuple[torch.Tensor, ...]:
     """Each parameter group's gradient norm, unscaled, before the clip."""
     if scaler._clip_stage(optimizer) is OptState.READY:
         scaler._clip_unscale(optimizer)
@@ -66,7 +66,7 @@ def group_norms(scaler: Unscaling, optimizer: torch.optim.Optimizer, norm_type: 
     return tuple(norms)
 
 
-def clip(scaler: Unscaling, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
+def clip(scaler: ScalerForClipping, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float) -> torch.Tensor:
     """:meth:`GradScaler.clip_grad_norm_` once its arguments are checked: the total norm."""
     exact = getattr(optimizer, "clip_masters_", None)
     if exact is not None:  # float32 masters: the norm and the clip on their float32 gradients

@@ -32,25 +32,31 @@ class GradientOp:
         #: the kernel the op runs on, settled at the first op (the registry's choice, or one pinned on the backend)
         self.kernel: Kernel | None = None
 
+    def settled_kernel(self) -> Kernel:
+        """The kernel the op runs on: the registry's choice (or one pinned on the backend) at the first
+        call, then kept, so that the clip asks the kernel the op runs rather than the registry again."""
+        if self.kernel is None:
+            self.kernel = kernel_for(self.device)
+        return self.kernel
+
     def inv_scale(self, scale: torch.Tensor) -> torch.Tensor:
         """1/scale as torch computes it (in float64), or in float32 where the device has no float64."""
         return scale.double().reciprocal().float() if self.device.has_fp64 else scale.reciprocal()
 
     def run(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor | None, found_inf: torch.Tensor,
-            allow_fp16: bool, norm_sq: torch.Tensor | None = None, scale_known_normal: bool = False, *,
+            allow_fp16: bool, norm_sq: torch.Tensor | None = None, inv_scale_finite: bool = False, *,
             inv_scale: torch.Tensor | None = None) -> tuple[dict[torch.device, torch.Tensor], FlatGrads | None]:
         """Unscale ``optimizer``'s gradients by 1/``scale`` and check them (``scale`` None: check only),
-        adding the fp32 sum of squares to ``norm_sq`` when given. ``scale_known_normal``: the caller knows
+        adding the fp32 sum of squares to ``norm_sq`` when given. ``inv_scale_finite``: the caller knows
         1/scale is finite; ``inv_scale``: 1/scale computed by the caller (torch's ``_unscale_grads_``).
         Returns found_inf per device and the arena whose buffers the op ran on (None:
         a walk found the gradients)."""
         groups, arena = collect(optimizer, allow_fp16, norm_sq is not None)
-        if self.kernel is None:
-            self.kernel = kernel_for(self.device)
+        kernel = self.settled_kernel()
         if inv_scale is None and scale is not None:
             inv_scale = self.inv_scale(scale)
-        found = executor.run_(self.device, self.kernel, groups, found_inf, inv_scale, norm_sq,
-                              factor_finite=scale_known_normal)
+        found = executor.run_on_groups_(self.device, kernel, groups, found_inf, inv_scale, norm_sq,
+                                        inv_scale_finite=inv_scale_finite)
         if self.device.global_overflow_status:
             if not found and consensus.ranks_agree_on_status(self.process_group):
                 # no gradient on this rank: it reads its status and still takes part in the agreement the

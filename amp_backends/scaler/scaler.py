@@ -3,9 +3,11 @@
 :class:`GradScaler` subclasses torch's scaler the way torch's own ``ShardedGradScaler`` does:
 stages, per-device caching, the update op, the fused-optimizer protocols, pickling and the
 state_dict are torch's. It overrides only where the backend acts: the gradient op
-(:class:`~.gradwork.GradientOp`) and the plan each optimizer's step follows (:mod:`.plans`, decided
-once per optimizer). What it adds lives in modules of its own: counters and the skip signal
-(:mod:`.telemetry`), clipping (:mod:`.clipping`), argument and state checks (:mod:`.validation`).
+(:class:`~.gradwork.GradientOp`) and :meth:`GradScaler.step`, which reads top to bottom as torch's
+does, its branches chosen by the optimizer's :class:`~.treatment.Treatment` (decided once per
+optimizer) and written out in :mod:`.steps`. What it adds lives in modules of its own: counters and
+the skip signal (:mod:`.telemetry`), clipping (:mod:`.clipping`), argument and state checks
+(:mod:`.validation`).
 
 Under ``torch.compile`` its methods run eagerly, as torch's do (:mod:`amp_backends.eager`): a compiled
 training step holding ``scale``/``step``/``update`` compiles, and ``optimizer.step()`` is compiled as
@@ -23,12 +25,13 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ..devices.contract import Device
 from ..eager import eager, eager_frame
-from ..registry.registry import kernel_for, resolve_backend
-from . import clipping, plans
+from ..registry.registry import resolve_backend
+from . import clipping, steps
 from .checkpointing import Checkpointing
 from .gradwork import GradientOp
-from .plans import sum_on
-from .telemetry import ScalerStats, Telemetry
+from .steps import PerOptimizerState, sum_on
+from .telemetry import ScalerStats, Signals, Telemetry
+from .treatment import Treatment, choose, momentum_buffers_missing
 from .validation import (
     check_factors,
     check_new_scale,
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["GradScaler", "ScalerStats"]
 
 
-class GradScaler(Checkpointing, torch.amp.GradScaler):
+class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
     """Dynamic loss scaler (a ``torch.amp.GradScaler``) whose gradient ops are the backend's.
 
     Args:
@@ -100,7 +103,7 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
             self._init_growth_tracker = 0
         self._telemetry = Telemetry(float(init_scale))
         self._grads = GradientOp(self.backend, process_group)
-        self._plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, plans.Plan] = weakref.WeakKeyDictionary()
+        self._treatments: weakref.WeakKeyDictionary[torch.optim.Optimizer, Treatment] = weakref.WeakKeyDictionary()
 
     # -- where the backend acts ---------------------------------------------------------
     @eager
@@ -119,7 +122,7 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
         """Divide the optimizer's gradients by the scale (torch's ``unscale_``, on the backend's
         op; 1/scale in float32 where the device has no float64) and record found_inf."""
         if self._enabled:
-            plans.unscale(self, optimizer)
+            steps.unscale(self, optimizer)
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
@@ -127,10 +130,10 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
 
     @eager
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        return plans.check(self, optimizer)
+        return steps.check(self, optimizer)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return plans.scale_of(self, funcname), self._growth_tracker  # type: ignore[return-value]  # torch's signature: the tracker is its tensor
+        return steps.scale_of(self, funcname), self._growth_tracker  # type: ignore[return-value]  # torch's signature: the tracker is its tensor
 
     # -- step -----------------------------------------------------------------------------
     @eager_frame
@@ -143,46 +146,55 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
         ``grad_scale``/``found_inf`` (or ``grad_scaler=self`` where its ``step`` takes that),
         unless its fused kernel is not trusted with them on this device; the scaler then skips it.
         Under torch.compile this frame is not traced, and ``optimizer.step()`` is compiled as a
-        frame of its own, as with torch's scaler.
+        frame of its own, as with torch's scaler: every other call here runs eagerly.
         """
-        plan, skipped, args, kwargs = self._before_step(optimizer, args, kwargs)
-        if not plan.calls_step:  # the optimizer's own step(grad_scaler=...): torch's protocol runs it
+        treatment = self._treatments.get(optimizer) or self._treatment(optimizer)
+        if treatment.skips_on_device and isinstance(optimizer, torch.optim.SGD) and momentum_buffers_missing(optimizer):
+            treatment = Treatment.FROM_HOST  # fused SGD: a step skipped on the device leaves new buffers unset
+        if treatment is Treatment.REFUSED:
+            raise steps.refusal(self, optimizer)
+        if treatment is Treatment.OPTIMIZER_OWNED:  # its step(grad_scaler=self) unscales, checks and skips
             result = super().step(optimizer, *args, **kwargs)
-        else:
+            steps.record_on_device(self, optimizer)
+            return result
+        if treatment.skips_on_device:  # FUSED, UNSCALED_FUSED: handed grad_scale and found_inf for this step
+            steps.hand_over(self, optimizer, treatment, kwargs)
             try:
-                result = None if skipped else optimizer.step(*args, **kwargs)
-            finally:
-                if plan.hands_over:  # grad_scale and found_inf were set on the optimizer for this step only
-                    optimizer.__dict__.pop("grad_scale", None)
-                    optimizer.__dict__.pop("found_inf", None)
-        self._after_step(plan, optimizer, skipped)
+                result = optimizer.step(*args, **kwargs)
+            finally:  # they hold for this step only
+                optimizer.__dict__.pop("grad_scale", None)
+                optimizer.__dict__.pop("found_inf", None)
+            steps.record_on_device(self, optimizer)
+            return result
+        # the host decides: FORWARD, CHECK_ONLY, PLAIN, FROM_HOST
+        if treatment is Treatment.FORWARD:  # scaling off, nothing to check
+            verdict = steps.RUNS
+        elif treatment is Treatment.CHECK_ONLY:  # scaling off, check_finite: one host read, no closure
+            verdict, kwargs = steps.check_finite_verdict(self, optimizer, args, kwargs)
+            args = ()
+        elif treatment is Treatment.PLAIN:  # torch's path: unscale unless done, skip on a host read
+            verdict = steps.plain_verdict(self, optimizer, kwargs)
+        else:  # FROM_HOST: checked first, skipped with the gradients untouched, else unscaled
+            verdict = steps.from_host_verdict(self, optimizer, kwargs)
+        result = None if verdict.skipped else optimizer.step(*args, **kwargs)
+        steps.record_from_host(self, optimizer, verdict)
         return result
 
     @eager
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-                     ) -> tuple[plans.Plan, bool | None, tuple[Any, ...], dict[str, Any]]:
-        """The plan this optimizer's step follows (chosen at its first step), and what it does before
-        ``optimizer.step()``: whether the step is skipped, and its arguments."""
-        plan = self._plan(optimizer)
-        return (plan, *plan.before(self, optimizer, args, kwargs))
-
-    def _plan(self, optimizer: torch.optim.Optimizer) -> plans.Plan:
-        """The plan ``optimizer``'s step follows now (chosen at its first step, then kept)."""
-        plan = self._plans.get(optimizer)
-        if plan is None:
-            plan = self._plans[optimizer] = plans.choose(self, optimizer)
-        return plan.current(optimizer)
-
-    @eager
-    def _after_step(self, plan: plans.Plan, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
-        plan.after(self, optimizer, skipped)
+    def _treatment(self, optimizer: torch.optim.Optimizer) -> Treatment:
+        """``optimizer``'s treatment, chosen at its first step (:func:`~.treatment.choose`), then kept."""
+        treatment = self._treatments.get(optimizer)
+        if treatment is None:
+            treatment = choose(self._enabled, self._check_finite, self.backend, optimizer)
+            self._treatments[optimizer] = treatment
+        return treatment
 
     @eager
     def ensure_unscaled_(self, optimizer: torch.optim.Optimizer) -> None:
         """``unscale_(optimizer)`` unless this iteration already unscaled it (or scaling is off):
         for framework code that unscales before clipping and cannot know whether it already did."""
         if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-            plans.unscale(self, optimizer)
+            steps.unscale(self, optimizer)
 
     @eager
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool | None:
@@ -198,10 +210,10 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
                 return None
             found, _ = self._grads.run(optimizer, None, torch.zeros(()), True)
             return bool(found) and bool(sum_on(found, next(iter(found))).item() > 0)
-        record = plans.Record(self, optimizer)
-        if record.stage is OptState.READY or not record.found:
+        state = PerOptimizerState(self, optimizer)
+        if state.stage is OptState.READY or not state.found:
             return None
-        return bool(sum_on(record.found, next(iter(record.found))).item() > 0)
+        return bool(sum_on(state.found, next(iter(state.found))).item() > 0)
 
     # -- clipping -------------------------------------------------------------------------
     @eager
@@ -232,7 +244,7 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
                 "call scaler.clip_grad_norm_(optimizer, max_norm) (the scaler unscales per optimizer)"
             )
         max_norm, norm_type = clip_args(max_norm, norm_type)
-        if self._enabled and plans.Record(self, optimizer).stage is OptState.STEPPED:
+        if self._enabled and PerOptimizerState(self, optimizer).stage is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step(): clip between backward and "
                                "scaler.step(optimizer), before update()")
         groups = clipping.group_norms(self, optimizer, norm_type) if flag("per_group", per_group) else None
@@ -241,16 +253,16 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
         self._telemetry.group_grad_norms = groups
         return total
 
-    # -- what clipping asks of the scaler (clipping.Unscaling) ---------------------------
+    # -- what clipping asks of the scaler (clipping.ScalerForClipping) -------------------
     def _clip_stage(self, optimizer: torch.optim.Optimizer) -> OptState:
-        return plans.Record(self, optimizer).stage if self._enabled else OptState.UNSCALED
+        return PerOptimizerState(self, optimizer).stage if self._enabled else OptState.UNSCALED
 
     def _clip_unscale(self, optimizer: torch.optim.Optimizer,
                       with_norm: bool = False) -> tuple[FlatGrads | None, torch.Tensor | None]:
-        return plans.unscale(self, optimizer, with_norm, "clip_grad_norm_" if with_norm else "unscale_")
+        return steps.unscale(self, optimizer, with_norm, "clip_grad_norm_" if with_norm else "unscale_")
 
     def _clip_one_pass(self) -> bool:
-        return bool(kernel_for(self.backend).one_pass_norm)
+        return bool(self._grads.settled_kernel().one_pass_norm)
 
     def _clip_total(self, total: torch.Tensor) -> torch.Tensor:
         """The norm as the step will see it: inf where the scale underflowed to 0, or where a
@@ -270,7 +282,7 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
             self._telemetry.updated_disabled()
             self._iteration_open = self._grads.status_overflow = False
             return
-        scale = plans.scale_of(self, "update")
+        scale = steps.scale_of(self, "update")
         tel = self._telemetry
         if new_scale is not None:
             value = check_new_scale(new_scale, scale.device)
@@ -294,32 +306,6 @@ class GradScaler(Checkpointing, torch.amp.GradScaler):
             factors = (self._growth_factor, self._backoff_factor, self._growth_interval) if self._dynamic else None
             tel.updated(overflow, factors, scale)
         self._iteration_open = self._grads.status_overflow = False
-
-    # -- signals and stats ----------------------------------------------------------------
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the most recent ``step()`` skipped ``optimizer.step()`` (inf/NaN gradients).
-
-        Known without a device sync after the usual path; after a fused optimizer's
-        step, reading it waits for the device.
-        """
-        skipped = self._telemetry.last_skipped
-        return bool(skipped.item()) if isinstance(skipped, torch.Tensor) else skipped
-
-    @property
-    def stats(self) -> ScalerStats:
-        """Steps, skipped steps, overflows, scale and last overflow; read without a device
-        sync except after fused-optimizer steps, whose counters live on the device."""
-        tel = self._telemetry
-        if not self._enabled:
-            scale = 1.0
-        elif self._scale is None:
-            scale = self._init_scale  # what get_scale() says before the first scale()
-        elif tel.mirror is not None:
-            scale = tel.mirror[0]
-        else:
-            scale = self.get_scale()
-        return tel.stats(scale)
 
     # -- setters and state ----------------------------------------------------------------
     def set_growth_factor(self, new_factor: float) -> None:

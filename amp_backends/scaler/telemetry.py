@@ -12,7 +12,7 @@ import torch
 
 from .validation import f32
 
-__all__ = ["ScalerStats", "Telemetry"]
+__all__ = ["ScalerStats", "Signals", "Telemetry"]
 
 #: With fused optimizers the overflow flags stay on the device; on devices without a non-blocking
 #: copy to host memory the scale is read (one host sync) this often to notice a collapsing scale.
@@ -193,3 +193,34 @@ class Telemetry:
             grad_norm=self.grad_norm,
             group_grad_norms=self.group_grad_norms,
         )
+
+
+class Signals(torch.amp.GradScaler):
+    """What :class:`~.scaler.GradScaler` tells of its counters: the skip signal and the stats."""
+
+    _telemetry: Telemetry
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the most recent ``step()`` skipped ``optimizer.step()`` (inf/NaN gradients).
+
+        Known without a device sync after the usual path; after a fused optimizer's
+        step, reading it waits for the device.
+        """
+        skipped = self._telemetry.last_skipped
+        return bool(skipped.item()) if isinstance(skipped, torch.Tensor) else skipped
+
+    @property
+    def stats(self) -> ScalerStats:
+        """Steps, skipped steps, overflows, scale and last overflow; read without a device
+        sync except after fused-optimizer steps, whose counters live on the device."""
+        tel = self._telemetry
+        if not self._enabled:
+            scale = 1.0
+        elif self._scale is None:
+            scale = self._init_scale  # what get_scale() says before the first scale()
+        elif tel.mirror is not None:
+            scale = tel.mirror[0]
+        else:
+            scale = self.get_scale()
+        return tel.stats(scale)

@@ -33,7 +33,7 @@ def grad_op_(backend: Any, grads: list[torch.Tensor], found_inf: torch.Tensor, i
     from ..gradients.collect import groups_of
     from ..registry.registry import kernel_for
 
-    found = executor.run_(backend, kernel_for(backend), groups_of(list(grads)), found_inf, inv_scale, norm_sq)
+    found = executor.run_on_groups_(backend, kernel_for(backend), groups_of(list(grads)), found_inf, inv_scale, norm_sq)
     for other in found.values():
         if other is not found_inf:
             found_inf.copy_(torch.maximum(found_inf, other.to(found_inf.device)))

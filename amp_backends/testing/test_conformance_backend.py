@@ -270,7 +270,7 @@ def test_fused_kernels_do_what_the_backend_declares(backend, kind):
 
     dev = backend.device()
     opt = _fused_optimizer(kind, [torch.nn.Parameter(torch.ones(4, device=dev))])
-    said = fused.kernel_of(backend, opt)
+    said = fused.fused_kernel_of(backend, opt)
     seen = fused.probe(opt, dev)
     if said.status == fused.HONOURS:
         assert seen.status == fused.HONOURS, (
@@ -309,8 +309,8 @@ def test_a_skipped_fused_step_leaves_the_weights_alone(backend, kind):
     model = torch.nn.Linear(4, 2).to(dev)
     twin = copy.deepcopy(model)
     opt = _fused_optimizer(kind, model.parameters())
-    if fused.kernel_of(backend, opt).status in (fused.ABSENT, fused.REFUSED):
-        pytest.skip(f"{kind}(fused=True) cannot run on {backend.name}: {fused.kernel_of(backend, opt).note}")
+    if fused.fused_kernel_of(backend, opt).status in (fused.ABSENT, fused.REFUSED):
+        pytest.skip(f"{kind}(fused=True) cannot run on {backend.name}: {fused.fused_kernel_of(backend, opt).note}")
     unfused = _FUSED[kind](twin.parameters(), fused=False, foreach=False)
     scaler = amp_backends.GradScaler(backend, init_scale=2.0**8)
     reference = amp_backends.GradScaler(backend, init_scale=2.0**8)
@@ -333,7 +333,7 @@ def test_a_skipped_fused_step_leaves_the_weights_alone(backend, kind):
                 if torch.is_tensor(a) and a.is_floating_point():
                     torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=1e-6, msg=lambda m, name=name: (
                         f"{kind}(fused=True) through the scaler: {name} differ from the unfused optimizer's ({m}): "
-                        f"the kernel is {fused.kernel_of(backend, opt)}"))
+                        f"the kernel is {fused.fused_kernel_of(backend, opt)}"))
         if poison:
             assert scaler.last_step_skipped, "the step with an inf gradient was not skipped"
             assert all(torch.equal(a, b) for a, b in zip(after, before)), (

@@ -13,7 +13,7 @@ import torch
 
 import amp_backends
 from amp_backends.devices import fused
-from amp_backends.scaler import plans
+from amp_backends.scaler.treatment import Treatment
 from amp_backends.testing import sim_packages_path
 
 from conftest import run_json
@@ -129,7 +129,7 @@ def test_the_probe_also_covers_sgd_with_momentum_and_vendor_optimizers():
     assert fused.kind_of(_opt(torch.optim.Adagrad)) == "adagrad"
     assert fused.kind_of(_opt(IgnoringAdam)) == "adam", "a subclass of Adam is an Adam"
     with pytest.raises(ValueError, match="one of honours, ignores"):
-        fused.FusedKernel("trusted")
+        fused.FusedOptimizerKernel("trusted")
 
 
 def _backend(**declared):
@@ -218,8 +218,8 @@ def test_a_scale_blind_kernel_trains_as_torchs_scaler_with_the_unfused_optimizer
                       torch.amp.GradScaler("cpu", init_scale=2.0**10))
         runs[name] = _train(scaler, opt, model)
         if name == "ours":
-            plan = scaler._plan(opt)
-            assert isinstance(plan, plans.UnscaledFused) and plan.kernel.status == fused.SCALE_BLIND, plan
+            assert scaler._treatment(opt) is Treatment.UNSCALED_FUSED, scaler._treatment(opt)
+            assert fused.fused_kernel_of(scaler.backend, opt).status is fused.FusedStatus.SCALE_BLIND
             assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
     for step, (ours, oracle) in enumerate(zip(runs["ours"], runs["oracle"])):
         assert all(torch.equal(a, b) for a, b in zip(ours, oracle)), f"step {step}: {ours} != {oracle}"
@@ -316,7 +316,7 @@ def test_a_fused_optimizer_outside_the_protocol_steps_plainly_or_is_refused():
         scaler.scale(m(torch.ones(2, 3)).sum()).backward()
         scaler.step(o)
         scaler.update()
-    assert type(amp_backends.GradScaler(_backend(), init_scale=16.0)._plan(opt)).__name__ == "Plain"
+    assert amp_backends.GradScaler(_backend(), init_scale=16.0)._treatment(opt) is Treatment.PLAIN
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
@@ -332,8 +332,8 @@ def test_the_probe_runs_once_per_class_and_defaults():
     fused.probe, saved = counting, fused.probe
     try:
         for _ in range(3):
-            fused.kernel_of(be, _opt(torch.optim.Adam))
-        fused.kernel_of(be, torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], lr=0.5, fused=True))
+            fused.fused_kernel_of(be, _opt(torch.optim.Adam))
+        fused.fused_kernel_of(be, torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], lr=0.5, fused=True))
     finally:
         fused.probe = saved
     assert calls == [torch.optim.Adam, torch.optim.Adam], "cached per class and defaults"
@@ -461,7 +461,7 @@ for kind in MAKE:
             continue
     trusting, _ = train(kind, be.device(), {"fused": True}, torch.amp.GradScaler("npu", init_scale=2.**8))
     out[kind] = {"ours_is_unfused": same(ours, oracle), "torch_scaler_is_unfused": same(trusting, oracle),
-                 "plan": type(scaler._plan(opt)).__name__,
+                 "treatment": scaler._treatment(opt).name,
                  "fell_back": sorted({str(w.message) for w in caught if "fall back to run on the CPU" in str(w.message)})}
 try:
     p = torch.nn.Parameter(torch.ones(3, device=be.device()))
@@ -484,11 +484,11 @@ def test_npu_fused_optimizers_through_the_scaler_train_as_the_unfused_ones_on_th
     out = run_json(NPU_FUSED, NPU)
     for kind in ("adam", "adagrad", "sgd"):
         assert out[kind]["ours_is_unfused"], (kind, out[kind])
-    assert out["sgd"]["plan"] == "UnscaledFused" and out["sgd"]["torch_scaler_is_unfused"] is False
-    assert out["adam"]["plan"] == "Fused"
+    assert out["sgd"]["treatment"] == "UNSCALED_FUSED" and out["sgd"]["torch_scaler_is_unfused"] is False
+    assert out["adam"]["treatment"] == "FUSED"
     # torch 2.11's Adagrad(fused=True) takes no grad_scale/found_inf (no _step_supports_amp_scaling): torch's scaler
     # unscales first and skips from the host, and so does ours
-    assert out["adagrad"]["plan"] == ("Fused" if ADAGRAD_TAKES_FOUND_INF else "Plain")
+    assert out["adagrad"]["treatment"] == ("FUSED" if ADAGRAD_TAKES_FOUND_INF else "PLAIN")
     assert out["adam"]["torch_scaler_is_unfused"] and out["adagrad"]["torch_scaler_is_unfused"]
     for kind, op in (("adam", "_fused_adam_"), ("adagrad", "_fused_adagrad_")):
         assert out[kind]["fell_back"] == [f"CAUTION: The operator 'aten::{op}' is not currently supported on the NPU "
@@ -552,3 +552,23 @@ def test_musa_refuses_fused_adam_adamw_and_adagrad_as_torch_musa_does():
     assert out["Adagrad"].startswith("Adagrad(fused=True) cannot run on 'musa' (absent): ")
     assert "torch_musa registers no _fused_adagrad_" in out["Adagrad"]
     assert out["sgd"] is False, "fused SGD runs"
+
+
+def test_a_status_declared_as_a_string_is_the_enum_member_and_the_old_names_warn():
+    """Plugins declare statuses as strings (``{"adam": "honours"}``): the same FusedStatus, compared
+    and formatted as the string; the earlier names answer the new ones with a DeprecationWarning."""
+    declared = fused.fused_kernel_of(_backend(adam="honours"), _opt(torch.optim.Adam))
+    assert declared.status is fused.FusedStatus.HONOURS and declared.status == "honours"
+    assert f"{declared.status}" == str(declared.status) == "honours"
+    assert fused.HONOURS is fused.FusedStatus.HONOURS and set(fused.STATUSES) == set(fused.FusedStatus)
+    scaler = amp_backends.GradScaler(_backend(adam="scale_blind"), init_scale=16.0)
+    assert scaler._treatment(_opt(torch.optim.Adam)) is Treatment.UNSCALED_FUSED
+    from amp_backends.gradients import executor
+
+    for module, old, new in ((fused, "FusedKernel", fused.FusedOptimizerKernel),
+                             (fused, "kernel_of", fused.fused_kernel_of),
+                             (executor, "run_", executor.run_on_groups_)):
+        with pytest.warns(DeprecationWarning, match=f"{old} is now {new.__name__}.*0.3.0"):
+            assert getattr(module, old) is new
+    with pytest.raises(AttributeError, match="no attribute 'kernel_off'"):
+        fused.kernel_off  # noqa: B018 - the attribute access is what is tested

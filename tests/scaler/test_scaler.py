@@ -13,7 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 import amp_backends
 from amp_backends import GradScaler, StateDictError
-from amp_backends.scaler import plans
+from amp_backends.scaler.treatment import Treatment, momentum_buffers_missing
 
 SCALER_KW = dict(init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
 
@@ -469,6 +469,7 @@ def test_a_skipped_first_step_of_fused_sgd_with_momentum_is_a_no_op():
     model = torch.nn.Linear(5, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     scaler_after.scale(model(torch.ones(2, 5)).sum()).backward()
-    assert scaler_after._plan(opt) is plans.FROM_HOST, "first step: skipped from the host"
+    assert scaler_after._treatment(opt) is Treatment.FUSED, "chosen once: the fused kernel skips itself"
+    assert momentum_buffers_missing(opt), "first step: downgraded to FROM_HOST, skipped from the host"
     scaler_after.step(opt)
-    assert scaler_after._plan(opt) is plans.FUSED, "every parameter has its momentum buffer: the fused kernel skips itself"
+    assert not momentum_buffers_missing(opt), "every parameter has its momentum buffer: the fused kernel skips itself"

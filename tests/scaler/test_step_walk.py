@@ -17,7 +17,8 @@ from amp_backends.devices import fused
 #: The modules a step may enter, from the top: a call may only go to a module later in this list.
 ORDER = [
     "amp_backends.scaler.scaler",
-    "amp_backends.scaler.plans",
+    "amp_backends.scaler.treatment",
+    "amp_backends.scaler.steps",
     "amp_backends.scaler.clipping",
     "amp_backends.scaler.gradwork",
     "amp_backends.scaler.consensus",
@@ -99,3 +100,52 @@ def test_a_step_walks_downward_through_each_module_from_one_place(case):
     assert not shared, f"modules entered from more than one place: {shared}"
     assert ("amp_backends.gradients.executor", "amp_backends.gradients.kernel") in inside or case.startswith("adam, "), \
         "the kernel runs the op, called by the executor alone"
+
+
+@pytest.mark.parametrize("arena,clip", [(False, False), (True, False), (True, True)],
+                         ids=["per-tensor", "arena", "arena, clipped"])
+def test_the_triton_plugins_op_runs_without_calling_back_into_the_core(arena, clip):
+    """One float16 step through the Triton kernel (its interpreter on CPU): the executor enters the
+    plugin once per (device, dtype) group, and the plugin's op calls nothing of the core package."""
+    pytest.importorskip("triton")
+    from amp_backends_plugins.triton import TritonKernel
+
+    kernel = TritonKernel()
+    kernel.min_elements = 0  # the launch itself, not torch's op for small groups
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.amp_master_weights = True  # float16 gradients are the op's to unscale
+    if arena:
+        amp_backends.flat_grads(opt)
+    scaler = amp_backends.GradScaler("cpu", init_scale=1024.0)
+    scaler._grads.kernel = kernel
+    calls: list[tuple[str, str]] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_back is not None:
+            callee, caller = frame.f_globals.get("__name__", ""), frame.f_back.f_globals.get("__name__", "")
+            if callee != caller and "amp_backends" in callee + caller:
+                calls.append((caller, callee))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(3, 4).half()).float().sum()).backward()
+            sys.setprofile(profile if step == 1 else None)
+            try:
+                if clip:
+                    scaler.clip_grad_norm_(opt, 1.0)
+                scaler.step(opt)
+            finally:
+                sys.setprofile(None)
+            scaler.update()
+    plugin = "amp_backends_plugins.triton"
+    entered = [(a, b) for a, b in calls if b == plugin and not a.startswith(plugin)]
+    assert entered == [("amp_backends.gradients.executor", plugin)], entered
+    back = [(a, b) for a, b in calls if a.startswith(plugin) and b.startswith("amp_backends.")]
+    assert not back, f"the plugin's op called back into the core: {back}"
+    asked = {b for _, b in calls if b.startswith("amp_backends.registry")}
+    assert not asked, f"a settled step (its clip too) asks the registry nothing: {asked}"
+    assert torch.isfinite(torch.cat([p.detach().float().flatten() for p in model.parameters()])).all()
