@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import first_line
+from .contract import EVERY_KIND
 
 if TYPE_CHECKING:
     from .contract import Device
@@ -84,8 +85,10 @@ def kernel_of(device: Device, optimizer: torch.optim.Optimizer) -> FusedKernel:
     own = getattr(type(optimizer), "amp_found_inf", None)
     if own is not None:
         return FusedKernel(own, f"{type(optimizer).__name__} says its step {own} found_inf")
-    if not device.fused_steps_honour_found_inf:
-        return FusedKernel(IGNORES, f"backend {device.name!r}: fused_steps_honour_found_inf = False")
+    every = (device.fused_found_inf or {}).get(EVERY_KIND)
+    if every is not None:
+        status, note = (every, "declared for every kind") if isinstance(every, str) else every
+        return FusedKernel(status, f"backend {device.name!r}: {note}")
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
         return FusedKernel(HONOURS, "its step(grad_scaler=) checks found_inf itself")
     kind = kind_of(optimizer)
