@@ -10,7 +10,8 @@ spelling; code calling one gets an AttributeError naming its replacement.
 Other facts had two spellings; the older one is still honoured until :data:`REMOVED_IN`, with a
 DeprecationWarning at registration naming the one spelling (:func:`deprecations`): ``is_available()``
 for ``unavailable_reason()``, ``fused_steps_honour_found_inf`` for ``fused_found_inf``,
-``global_overflow_status = True`` for the :class:`~.capabilities.OverflowStatus` mixin, and a Kernel's
+``global_overflow_status = True`` for the :class:`~.capabilities.OverflowStatus` mixin, ``fused_found_inf``
+as a property for a class attribute, and a Kernel's
 ``supports()`` and ``auto_select()`` for ``unavailable_reason(device_type)`` and ``auto_device_types``.
 """
 
@@ -98,6 +99,8 @@ BACKEND_SPELLINGS = {
                     "is_available() is derived from it",
     "fused_steps_honour_found_inf": "declare fused_found_inf = {\"*\": \"ignores\"} (every kind; or per kind, citing "
                                     "the source); True is what an undeclared kind is probed for: drop the line",
+    "fused_found_inf": "declare fused_found_inf as a class attribute, not a property: a dict, or "
+                       "amp_backends.ComputedMapping(function) where it depends on the torch release or the environment",
     "global_overflow_status": "subclass amp_backends.OverflowStatus next to amp_backends.Backend "
                               "(class MyBackend(OverflowStatus, Backend)): it sets global_overflow_status and requires "
                               "clear_overflow_status() and read_overflow_status_(found_inf)",
@@ -130,11 +133,14 @@ def deprecations(obj: object, base: type, spellings: dict[str, str]) -> list[str
     """The DeprecationWarning messages for the older spellings ``obj`` (a Backend or a Kernel being
     registered; ``base`` the class it subclasses: Device or Kernel) still uses."""
     cls = type(obj).__name__
-    used = [name for name in spellings if name != "global_overflow_status" and defines(type(obj), name, base)]
+    static = {"fused_found_inf", "global_overflow_status"}  # spelled differently, not by being defined
+    used = [name for name in spellings if name not in static and defines(type(obj), name, base)]
+    if "fused_found_inf" in spellings and isinstance(inspect.getattr_static(obj, "fused_found_inf", None), property):
+        used.append("fused_found_inf")
     if "global_overflow_status" in spellings and _old_overflow_status(obj):
         used.append("global_overflow_status")
-    return [f"{cls} uses the older spelling {name}, honoured until amp-backends {REMOVED_IN}: {spellings[name]}"
-            for name in used]
+    return [f"{cls}.{name}: the contract's older spelling, honoured until amp-backends {REMOVED_IN}: "
+            f"{spellings[name]}" for name in used]
 
 
 def missing_overflow_methods(obj: object) -> str | None:
