@@ -119,6 +119,8 @@ def test_fused_steps_honour_found_inf_false_is_the_mapping_for_every_kind_with_a
     old, new = fused.kernel_of(Older(), opt), fused.kernel_of(Declared(), opt)
     assert old.status == fused.IGNORES and old.note == "backend 'older-fused': fused_steps_honour_found_inf = False"
     assert new.status == old.status and dict(Older.fused_found_inf) == dict(Declared.fused_found_inf)
+    with pytest.warns(DeprecationWarning, match="read fused_found_inf"):
+        assert Declared().fused_steps_honour_found_inf is False and Current().fused_steps_honour_found_inf is True
 
 
 def test_a_fused_found_inf_property_is_accepted_with_a_warning_and_a_computed_mapping_without(monkeypatch):

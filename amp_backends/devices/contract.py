@@ -143,6 +143,15 @@ class Device(ABC):
             cls.fused_found_inf = {**(cls.fused_found_inf or {}),
                                    EVERY_KIND: ("ignores", "fused_steps_honour_found_inf = False")}
 
+    @property
+    def fused_steps_honour_found_inf(self) -> bool:
+        """Deprecated, removed in amp-backends 0.3.0: False where :attr:`fused_found_inf` declares every kind
+        ``"ignores"``. Read ``fused_found_inf`` instead."""
+        warnings.warn("fused_steps_honour_found_inf is deprecated and is removed in amp-backends 0.3.0: read "
+                      'fused_found_inf (its "*" entry declares every kind)', DeprecationWarning, stacklevel=2)
+        every = (self.fused_found_inf or {}).get(EVERY_KIND)
+        return (every if isinstance(every, str) else every[0]) != "ignores" if every is not None else True
+
     # -- what the backend adds: its scaler and its kernel ------------------------------------
     @abstractmethod
     def grad_scaler(self, dtype: torch.dtype | str | None = None, **kwargs: Any) -> Any:
