@@ -13,6 +13,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from .backend import Backend, get
+from .devices.capabilities import OverflowStatus
+from .devices.contract import ComputedMapping
 from .errors import (
     AmpBackendsError,
     BackendUnavailableError,
@@ -23,6 +25,7 @@ from .errors import (
     UnknownBackendError,
     UnsupportedDtypeError,
 )
+from .extension import ExtensionBackend
 from .gradients.kernel import Kernel, TorchKernel
 from .registry.hookspecs import hookimpl, hookspec
 from .registry.registry import available, names, plugins, register_plugin, reload, reprobe
@@ -121,13 +124,16 @@ __all__ = [
     "AutocastModule",
     "Backend",
     "BackendUnavailableError",
+    "ComputedMapping",
     "DuplicateBackendError",
+    "ExtensionBackend",
     "FlatGrads",
     "GradScaler",
     "Kernel",
     "Lean",
     "ModelReport",
     "NonFiniteReport",
+    "OverflowStatus",
     "PerformanceWarning",
     "PluginLoadError",
     "PrecisionPlan",

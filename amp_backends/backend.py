@@ -1,9 +1,11 @@
-"""``Backend``: what ``amp_backends.get()`` returns and what a device's plugin subclasses.
+"""``Backend``: what ``amp_backends.get()`` returns and the one class a device's plugin subclasses.
 
-A Backend is a :class:`~amp_backends.devices.contract.Device` (the facts a plugin declares, and
-autocast) with the training loop's two entry points on top: :meth:`Backend.grad_scaler` and the
-:attr:`Backend.kernel` its gradient ops run on. It sits above the scaler and the registry, so the
-device contract below needs neither.
+A Backend declares the facts of :class:`~amp_backends.devices.contract.Device` (how the layers below
+name it: never subclassed by vendors) and implements its two abstract methods, the training loop's
+entry points: :meth:`Backend.grad_scaler` and the :attr:`Backend.kernel` its gradient ops run on. It
+sits above the scaler and the registry, so the device contract below needs neither. Optional
+capabilities are mixins (:class:`amp_backends.OverflowStatus`); a device a PyTorch extension registers
+as PrivateUse1 subclasses :class:`amp_backends.ExtensionBackend`.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ __all__ = ["FP8_RECIPES", "Backend", "get"]
 
 
 class Backend(Device):
-    """Base class of every backend: declare the device's facts (see :class:`Device`), implement
-    :meth:`unavailable_reason`; ``autocast()`` and ``grad_scaler()`` then work on it."""
+    """Base class of every backend: declare the device's facts (the class attributes of
+    :class:`~amp_backends.devices.contract.Device`), implement :meth:`unavailable_reason`;
+    ``autocast()`` and ``grad_scaler()`` then work on it. The registry accepts only its instances."""
 
     def grad_scaler(self, dtype: torch.dtype | str | None = None, **kwargs: Any) -> GradScaler:
         """A GradScaler for training under ``autocast(dtype)``.

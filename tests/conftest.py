@@ -92,8 +92,8 @@ class AcmeBackend(amp_backends.Backend):
     device_type = "cpu"
     default_dtype = torch.bfloat16
 
-    def is_available(self):
-        return True
+    def unavailable_reason(self):
+        return None
 
 @amp_backends.hookimpl
 def amp_backends_register_backends(register):

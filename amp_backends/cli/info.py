@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..devices.contract import EVERY_KIND
 from ..registry.registry import Registry, default_registry, probe, shadowing_message
 
 
@@ -17,9 +18,9 @@ def _installed(backend: Any, reason: str | None) -> bool:
     usually fails to import: the mismatch is the likely cause). Else: whether it is available."""
     extension = getattr(backend, "extension", None)
     if extension:
-        from ..devices.extension import _find_spec
+        from ..extension import find_spec
 
-        return _find_spec(extension) is not None
+        return find_spec(extension) is not None
     return reason is None
 
 
@@ -64,8 +65,8 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
             fp8_dtypes, fp8_recipes = [f"error: {type(exc).__name__}: {exc}"], []
         declared = backend.fused_found_inf or {}
         fused = {kind: (v if isinstance(v, str) else v[0]) for kind, v in declared.items()}
-        if not backend.fused_steps_honour_found_inf:
-            fused = {"all": "ignores"}
+        if EVERY_KIND in fused:
+            fused = {"all": fused[EVERY_KIND]}
         built = backend.built_for_torch
         mismatch = None
         if built and built.split("+")[0] != torch.__version__.split("+")[0] and _installed(backend, reason):

@@ -3,16 +3,20 @@
 A :class:`Device` is a record of facts (class attributes a plugin sets: dtypes, the limits of its
 unscale op, its collective library, what its fused optimizer kernels do) and one availability probe,
 :meth:`Device.unavailable_reason`. Everything else has a torch-generic default; optional capabilities
-(a device-wide overflow status, a vendor fp8 layer, a description for ``info``) are implemented only
-by the plugins that need them. The work that uses these facts lives elsewhere: the gradient op in
-:mod:`amp_backends.gradients`, the scaler's policy in :mod:`amp_backends.scaler`. Vendors subclass
-:class:`amp_backends.Backend`, which is a Device.
+are mixins (:mod:`.capabilities`). The work that uses these facts lives elsewhere: the gradient op in
+:mod:`amp_backends.gradients`, the scaler's policy in :mod:`amp_backends.scaler`.
+
+Vendors never subclass Device: they subclass :class:`amp_backends.Backend` (or
+:class:`amp_backends.ExtensionBackend`), its one implementation. Device is how the layers below the
+backend (the gradient op, the registry, the scaler) name it; its two abstract methods are the
+Backend's, so the registry's ``isinstance(backend, Device)`` accepts exactly the Backends.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,10 +25,11 @@ from ..errors import PerformanceWarning, UnsupportedDtypeError
 from . import accelerator
 from . import autocast_lists as autocast_lists_
 from .autocast_lists import AutocastLists
+from .capabilities import overflow_status
 from .collectives import Collectives
 from .old_contract import BACKEND_METHODS, Removed
 
-__all__ = ["FP8_RECIPES", "MX_FORMATS", "Device", "dtype_name"]
+__all__ = ["EVERY_KIND", "FP8_RECIPES", "MX_FORMATS", "ComputedMapping", "Device", "dtype_name"]
 
 #: torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``): per-tensor dynamic
 #: scaling (fastest), per-row scaling with power-of-two scales, and per-row with the weight gradient
@@ -34,13 +39,37 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 #: torchao's MX layer (e4m3 elements, one power-of-two e8m0 scale per block of 32 along each matmul's
 #: reduction dimension).
 MX_FORMATS = ("mxfp8",)
+#: The key of :attr:`Device.fused_found_inf` that declares every kind of fused optimizer at once.
+EVERY_KIND = "*"
 
 
-class Device:
+class ComputedMapping(Mapping[str, Any]):
+    """A declared mapping whose entries depend on the running torch or the environment, computed by
+    ``build()`` each time it is read (``fused_found_inf = ComputedMapping(_fused_kernels)``): declared as a
+    class attribute like any other mapping, and as current as a property."""
+
+    def __init__(self, build: Callable[[], Mapping[str, Any]]) -> None:
+        self.build = build
+
+    def __getitem__(self, key: str) -> Any:
+        return self.build()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.build())
+
+    def __len__(self) -> int:
+        return len(self.build())
+
+    def __repr__(self) -> str:
+        return f"ComputedMapping({self.build()!r})"
+
+
+class Device(ABC):
     """What a device is, for mixed precision. Declare the facts; implement :meth:`unavailable_reason`.
 
     A device that already works with ``torch.autocast(device_type)`` and torch's own unscale op needs
-    only ``name``, ``device_type``, ``default_dtype`` and :meth:`unavailable_reason`.
+    only ``name``, ``device_type``, ``default_dtype`` and :meth:`unavailable_reason`. Vendors subclass
+    :class:`amp_backends.Backend`, which implements the two abstract methods.
     """
 
     # -- identity -------------------------------------------------------------------------
@@ -79,11 +108,8 @@ class Device:
     max_tensor_elements: int | None = None
     #: False where the device has no float64: the scaler computes 1/scale in float32.
     has_fp64: bool = True
-    #: True where overflow comes from a device-wide status register (torch_npu on chips without
-    #: inf/NaN mode): :meth:`on_scale` clears it once per iteration, before the first backward;
-    #: the op reads it instead of inspecting the tensors, and the scaler keeps what it read for every
-    #: optimizer of the iteration and agrees on it across ranks. A device that sets it implements
-    #: ``clear_overflow_status()`` and ``read_overflow_status_(found_inf)`` (see :meth:`on_scale`).
+    #: True where overflow comes from a device-wide status register: declared by subclassing
+    #: :class:`~.capabilities.OverflowStatus`, which sets it (read it; do not set it here).
     global_overflow_status: bool = False
 
     # -- autocast, fused optimizers, checkpoints -------------------------------------------
@@ -101,13 +127,40 @@ class Device:
     #: :mod:`amp_backends.devices.fused` (honours: skips on found_inf and divides by grad_scale;
     #: scale_blind: skips but does not divide; ignores; rejects; absent; refused) or
     #: ``(status, "the source it is known from")``. A kind not declared is probed once on the device
-    #: (both questions asked); None probes every kind.
+    #: (both questions asked); None probes every kind. The key ``"*"`` (:data:`EVERY_KIND`)
+    #: declares every kind at once, ahead of the others. A class attribute: a plain dict, or a
+    #: :class:`ComputedMapping` where it depends on the torch release or the environment.
     fused_found_inf: Mapping[str, str | tuple[str, str]] | None = None
-    #: False: every fused kernel of the device ignores found_inf (older form of the declaration above).
-    fused_steps_honour_found_inf: bool = True
     #: Whether the scaler's ``state_dict`` carries ``"dynamic"``: torch_npu's scaler requires the key
     #: to load a checkpoint (``npu/amp/grad_scaler.py``), torch's ignores it.
     state_dict_dynamic: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass declaring ``fused_steps_honour_found_inf`` (the older spelling) gets it as
+        ``fused_found_inf``: False is ``{"*": ignores}``. The registry warns (DeprecationWarning)."""
+        super().__init_subclass__(**kwargs)
+        if vars(cls).get("fused_steps_honour_found_inf", True) is False:
+            cls.fused_found_inf = {**(cls.fused_found_inf or {}),
+                                   EVERY_KIND: ("ignores", "fused_steps_honour_found_inf = False")}
+
+    @property
+    def fused_steps_honour_found_inf(self) -> bool:
+        """Deprecated, removed in amp-backends 0.3.0: False where :attr:`fused_found_inf` declares every kind
+        ``"ignores"``. Read ``fused_found_inf`` instead."""
+        warnings.warn("fused_steps_honour_found_inf is deprecated and is removed in amp-backends 0.3.0: read "
+                      'fused_found_inf (its "*" entry declares every kind)', DeprecationWarning, stacklevel=2)
+        every = (self.fused_found_inf or {}).get(EVERY_KIND)
+        return (every if isinstance(every, str) else every[0]) != "ignores" if every is not None else True
+
+    # -- what the backend adds: its scaler and its kernel ------------------------------------
+    @abstractmethod
+    def grad_scaler(self, dtype: torch.dtype | str | None = None, **kwargs: Any) -> Any:
+        """A GradScaler for training under ``autocast(dtype)`` (:class:`amp_backends.Backend`)."""
+
+    @property
+    @abstractmethod
+    def kernel(self) -> Any:
+        """The kernel the gradient ops run on (:class:`amp_backends.Backend`)."""
 
     # -- availability: the one probe ----------------------------------------------------------
     def unavailable_reason(self) -> str | None:
@@ -123,7 +176,8 @@ class Device:
                                   "device can be used, else why not)")
 
     def is_available(self) -> bool:
-        """Whether the device can be used on this machine (:meth:`unavailable_reason` is None)."""
+        """Whether the device can be used on this machine (:meth:`unavailable_reason` is None). Derived:
+        implement :meth:`unavailable_reason`, not this (an override is the older contract's spelling)."""
         return self.unavailable_reason() is None
 
     # -- optional facts for info and the precision policy ---------------------------------
@@ -227,7 +281,7 @@ class Device:
         (gradient accumulation, several losses) do not run it: an overflow in an early
         micro-batch must survive until the step reads it."""
         if self.global_overflow_status:
-            self.clear_overflow_status()  # type: ignore[attr-defined]  # declared with global_overflow_status (checked at registration)
+            overflow_status(self).clear_overflow_status()
 
     # -- the device -------------------------------------------------------------------------
     def device(self, index: int | None = None) -> torch.device:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import first_line
+from .contract import EVERY_KIND
 
 if TYPE_CHECKING:
     from .contract import Device
@@ -115,8 +116,10 @@ def fused_kernel_of(device: Device, optimizer: torch.optim.Optimizer) -> FusedOp
     own = getattr(type(optimizer), "amp_found_inf", None)
     if own is not None:
         return FusedOptimizerKernel(own, f"{type(optimizer).__name__} says its step {own} found_inf")
-    if not device.fused_steps_honour_found_inf:
-        return FusedOptimizerKernel(FusedStatus.IGNORES, f"backend {device.name!r}: fused_steps_honour_found_inf = False")
+    every = (device.fused_found_inf or {}).get(EVERY_KIND)
+    if every is not None:
+        status, note = (every, "declared for every kind") if isinstance(every, str) else every
+        return FusedOptimizerKernel(status_of(status), f"backend {device.name!r}: {note}")
     if "grad_scaler" in inspect.signature(optimizer.step).parameters:
         return FusedOptimizerKernel(FusedStatus.HONOURS, "its step(grad_scaler=) checks found_inf itself")
     kind = kind_of(optimizer)

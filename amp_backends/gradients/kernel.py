@@ -5,18 +5,23 @@ dtype (a :class:`~.groups.TensorGroup` or an arena's :class:`~.groups.FlatGroup`
 for inf/NaN, or check only, adding the fp32 sum of squares when asked. :class:`TorchKernel` is torch's
 own op, which every device falls back to; plugins register faster ones (the Triton plugin) through
 ``amp_backends_register_kernels``. The executor (:mod:`.executor`) calls nothing else.
+
+Where a kernel runs is one method, :meth:`Kernel.unavailable_reason`; where it is chosen without being
+asked, one declaration, :attr:`Kernel.auto_device_types` (:func:`selects_itself` combines them); the
+dtypes it runs itself, one declaration, :attr:`Kernel.handles_dtypes`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 
-from ..devices.old_contract import KERNEL_METHODS, Removed
+from ..devices.old_contract import KERNEL_METHODS, KERNEL_SPELLINGS, REMOVED_IN, Removed, defines
 from .groups import FlatGroup, GradGroup, TensorGroup
 
-__all__ = ["Kernel", "TORCH_KERNEL", "TorchKernel", "add_sum_of_squares", "through_float32"]
+__all__ = ["Kernel", "TORCH_KERNEL", "TorchKernel", "add_sum_of_squares", "selects_itself", "through_float32"]
 
 
 def add_sum_of_squares(grads: Sequence[torch.Tensor], norm_sq: torch.Tensor) -> None:
@@ -56,7 +61,8 @@ def torch_op_(group: GradGroup, found_inf: torch.Tensor, inv_scale: torch.Tensor
 
 
 class Kernel:
-    """A provider of the gradient op; subclass and override :meth:`grad_op_`."""
+    """A provider of the gradient op; subclass and override :meth:`grad_op_`, and
+    :meth:`unavailable_reason` where it does not run everywhere."""
 
     name: str = "kernel"
     #: Higher wins when several kernels can run on a device type.
@@ -65,20 +71,30 @@ class Kernel:
     #: scaler's ``clip_grad_norm_`` then uses it instead of torch's recipe.
     one_pass_norm: bool = False
     #: Gradient dtypes this kernel handles itself on every device (None: it relies on the
-    #: device's op, so the device's ``unscale_dtypes`` apply).
+    #: device's op, so the device's ``unscale_dtypes`` apply). The one declaration of its dtypes.
     handles_dtypes: tuple[torch.dtype, ...] | None = None
-
-    def supports(self, device_type: str) -> bool:
-        """Whether this kernel can run on tensors of ``device_type`` (when forced)."""
-        return True
-
-    def auto_select(self, device_type: str) -> bool:
-        """Whether to pick this kernel for ``device_type`` when nothing is forced."""
-        return self.supports(device_type)
+    #: Device types the registry chooses this kernel for when nothing is forced, where it is available
+    #: (None: every device type it is available on). ``AMP_BACKENDS_KERNEL`` forces it anywhere available.
+    auto_device_types: tuple[str, ...] | None = None
 
     def unavailable_reason(self, device_type: str) -> str | None:
-        """Why the kernel cannot run on ``device_type``, or None where it can."""
-        return None if self.supports(device_type) else f"kernel {self.name!r} does not support {device_type!r}"
+        """Why the kernel cannot run on tensors of ``device_type`` (not installed, no compiler for the
+        device...), or None where it can: the one availability method."""
+        if defines(type(self), "supports", Kernel):  # the older spelling, warned about at registration
+            return None if self.supports(device_type) else f"kernel {self.name!r} does not support {device_type!r}"
+        return None
+
+    def supports(self, device_type: str) -> bool:
+        """Deprecated: ``unavailable_reason(device_type) is None``."""
+        _deprecated_call("supports", "unavailable_reason(device_type) is None")
+        if type(self).unavailable_reason is Kernel.unavailable_reason:
+            return True  # the base's answer, not asked through an override of supports() calling this one
+        return self.unavailable_reason(device_type) is None
+
+    def auto_select(self, device_type: str) -> bool:
+        """Deprecated: :func:`selects_itself`."""
+        _deprecated_call("auto_select", "amp_backends.gradients.kernel.selects_itself(kernel, device_type)")
+        return _declared_selection(self, device_type)
 
     def grad_op_(self, group: GradGroup, found_inf: torch.Tensor, inv_scale: torch.Tensor | None = None,
                  norm_sq: torch.Tensor | None = None) -> None:
@@ -99,6 +115,25 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def selects_itself(kernel: Kernel, device_type: str) -> bool:
+    """Whether the registry chooses ``kernel`` for ``device_type`` when nothing is forced: a device type
+    of its :attr:`~Kernel.auto_device_types` where it is available (the older ``auto_select()``, where a
+    kernel still overrides it)."""
+    if defines(type(kernel), "auto_select", Kernel):  # the older spelling, warned about at registration
+        return bool(kernel.auto_select(device_type))
+    return _declared_selection(kernel, device_type)
+
+
+def _declared_selection(kernel: Kernel, device_type: str) -> bool:
+    wanted = kernel.auto_device_types is None or device_type in kernel.auto_device_types
+    return wanted and kernel.unavailable_reason(device_type) is None
+
+
+def _deprecated_call(name: str, instead: str) -> None:
+    warnings.warn(f"Kernel.{name}() is deprecated and is removed in amp-backends {REMOVED_IN}: use {instead} "
+                  f"({KERNEL_SPELLINGS[name]})", DeprecationWarning, stacklevel=3)
 
 
 def through_float32(kernel: Kernel, grads: Sequence[torch.Tensor], found_inf: torch.Tensor,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import warnings
 
 from ..devices.contract import Device
-from ..devices.old_contract import KERNEL_METHODS, refusal
+from ..devices.old_contract import KERNEL_METHODS, KERNEL_SPELLINGS, deprecations, refusal
 from ..errors import BackendUnavailableError, DuplicateBackendError
-from ..gradients.kernel import TORCH_KERNEL, Kernel
+from ..gradients.kernel import TORCH_KERNEL, Kernel, selects_itself
 from .environment import forced_kernel
 from .probing import probe, timed_self_check
 from .records import PluginRecord
@@ -26,12 +26,16 @@ class KernelChoice:
         self.rejections: dict[tuple[str, str], str] = {}
 
     def add(self, record: PluginRecord, kernel: Kernel) -> None:
-        """A plugin's ``register(kernel)``."""
+        """A plugin's ``register(kernel)``: the older spellings it uses are warned about
+        (DeprecationWarning, pointing at the plugin's call) and honoured."""
         if not isinstance(kernel, Kernel):
-            raise TypeError(f"register() takes an amp_backends.Kernel instance, got {type(kernel).__name__}")
+            raise TypeError(f"register() takes an amp_backends.Kernel instance, got {type(kernel).__name__}: "
+                            "subclass amp_backends.Kernel and register an instance of it")
         old = refusal(kernel, KERNEL_METHODS, "kernel")
         if old is not None:
             raise TypeError(old)
+        for message in deprecations(kernel, Kernel, KERNEL_SPELLINGS):
+            warnings.warn(message, DeprecationWarning, stacklevel=3)
         key = kernel.name.lower()
         if key == TORCH_KERNEL.name or key in self.kernels:
             owner = "amp-backends" if key == TORCH_KERNEL.name else self.kernels[key][1].package
@@ -79,7 +83,7 @@ class KernelChoice:
             return kernel
         for kernel, record in sorted(self.kernels.values(), key=lambda kr: -kr[0].priority):
             try:
-                if not kernel.auto_select(device_type):
+                if not selects_itself(kernel, device_type):
                     continue
             except Exception:  # noqa: BLE001 - a broken kernel falls back to torch's
                 continue

@@ -8,12 +8,12 @@ is ignored (with a warning at ``get()``) unless it overrides. A fallback backend
 
 from __future__ import annotations
 
-import inspect
+import warnings
 
 import torch
 
 from ..devices.contract import Device
-from ..devices.old_contract import BACKEND_METHODS, refusal
+from ..devices.old_contract import BACKEND_METHODS, BACKEND_SPELLINGS, deprecations, missing_overflow_methods, refusal
 from .records import PluginRecord
 
 __all__ = ["BackendTable", "check_fields"]
@@ -40,14 +40,9 @@ def check_fields(backend: Device) -> None:
     if not isinstance(backend.default_dtype, torch.dtype) or not backend.default_dtype.is_floating_point:
         raise TypeError(f"{cls}.default_dtype must be a floating torch.dtype (torch.float16, torch.bfloat16), "
                         f"got {type(backend.default_dtype).__name__} {backend.default_dtype!r}")
-    old = refusal(backend, BACKEND_METHODS, "backend")
-    if old is not None:
-        raise TypeError(old)
-    declared = inspect.getattr_static(backend, "global_overflow_status", False)  # a property is not asked now
-    if (declared is True or isinstance(declared, property)) and not all(
-            callable(getattr(type(backend), m, None)) for m in ("clear_overflow_status", "read_overflow_status_")):
-        raise TypeError(f"{cls} sets global_overflow_status but does not implement clear_overflow_status() and "
-                        "read_overflow_status_(found_inf)")
+    for problem in (refusal(backend, BACKEND_METHODS, "backend"), missing_overflow_methods(backend)):
+        if problem is not None:
+            raise TypeError(problem)
 
 
 class BackendTable:
@@ -63,10 +58,15 @@ class BackendTable:
         self.shadowing: list[tuple[str, PluginRecord, bool]] = []
 
     def add(self, record: PluginRecord, backend: Device, override: bool = False, fallback: bool = False) -> None:
-        """A plugin's ``register(backend, override=..., fallback=...)``."""
-        if not isinstance(backend, Device) or not callable(getattr(backend, "grad_scaler", None)):
-            raise TypeError(f"register() takes an amp_backends.Backend instance, got {type(backend).__name__}")
+        """A plugin's ``register(backend, override=..., fallback=...)``: the older spellings it uses are
+        warned about (DeprecationWarning, pointing at the plugin's call) and honoured."""
+        if not isinstance(backend, Device):  # Device's abstract methods are Backend's: only a Backend is one
+            raise TypeError(f"register() takes an amp_backends.Backend instance, got {type(backend).__name__}: "
+                            "subclass amp_backends.Backend (amp_backends.ExtensionBackend for a device a PyTorch "
+                            "extension registers as PrivateUse1) and register an instance of it")
         check_fields(backend)
+        for message in deprecations(backend, Device, BACKEND_SPELLINGS):
+            warnings.warn(message, DeprecationWarning, stacklevel=3)
         if fallback:
             if override:
                 raise ValueError("register(backend, override=True, fallback=True): a fallback never overrides; "

@@ -12,10 +12,26 @@ import os
 
 import torch
 
-from amp_backends import Backend, hookimpl
+from amp_backends import Backend, ComputedMapping, hookimpl
 from amp_backends.devices import collectives as collective_libraries
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import HONOURS
+
+
+def fused_kernels() -> dict[str, tuple[str, str]]:
+    """torch's CUDA kernels (``FusedAdamKernel.cu``, ``FusedSgdKernel.cu``; Adagrad:
+    ``fused_adagrad_utils.cuh`` ``FusedAdagradMathFunctor``): the functors return when found_inf
+    is 1 and divide each gradient by grad_scale; ROCm builds compile the same sources (hipified).
+    torch 2.13 enables ``Adagrad(fused=True)`` on CUDA (``torch/optim/adagrad.py`` calls
+    ``_device_dtype_check_for_fused(p)`` without ``cuda_unsupported``); an earlier torch refuses it
+    itself, so there Adagrad is left to the probe. Read from torch's source, not run on a GPU here."""
+    declared = {kind: (HONOURS, "torch's CUDA fused kernels skip when found_inf is 1 and divide by grad_scale "
+                                "(aten/src/ATen/native/cuda/FusedAdamKernel.cu, FusedSgdKernel.cu)")
+                for kind in ("adam", "adamw", "sgd")}
+    if torch_release() >= (2, 13):
+        declared["adagrad"] = (HONOURS, "torch's CUDA _fused_adagrad_ returns when found_inf is 1 and divides by "
+                                        "grad_scale (aten/src/ATen/native/cuda/fused_adagrad_utils.cuh)")
+    return declared
 
 
 class CUDABackend(Backend):
@@ -34,22 +50,9 @@ class CUDABackend(Backend):
     #: torch's CUDA lists (aten/src/ATen/autocast_mode.cpp), which ban binary_cross_entropy: a policy runs
     #: nn.BCELoss in float32
     autocast_lists = autocast_lists.CUDA
-
-    @property
-    def fused_found_inf(self) -> dict[str, tuple[str, str]]:
-        """torch's CUDA kernels (``FusedAdamKernel.cu``, ``FusedSgdKernel.cu``; Adagrad:
-        ``fused_adagrad_utils.cuh`` ``FusedAdagradMathFunctor``): the functors return when found_inf
-        is 1 and divide each gradient by grad_scale; ROCm builds compile the same sources (hipified).
-        torch 2.13 enables ``Adagrad(fused=True)`` on CUDA (``torch/optim/adagrad.py`` calls
-        ``_device_dtype_check_for_fused(p)`` without ``cuda_unsupported``); an earlier torch refuses it
-        itself, so there Adagrad is left to the probe. Read from torch's source, not run on a GPU here."""
-        declared = {kind: (HONOURS, "torch's CUDA fused kernels skip when found_inf is 1 and divide by grad_scale "
-                                    "(aten/src/ATen/native/cuda/FusedAdamKernel.cu, FusedSgdKernel.cu)")
-                    for kind in ("adam", "adamw", "sgd")}
-        if torch_release() >= (2, 13):
-            declared["adagrad"] = (HONOURS, "torch's CUDA _fused_adagrad_ returns when found_inf is 1 and divides by "
-                                            "grad_scale (aten/src/ATen/native/cuda/fused_adagrad_utils.cuh)")
-        return declared
+    #: What the fused optimizer kernels do with found_inf and grad_scale (:func:`fused_kernels`: it depends on
+    #: the torch release, so it is computed when read)
+    fused_found_inf = ComputedMapping(fused_kernels)
 
     def unavailable_reason(self) -> str | None:
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from amp_backends import hookimpl
+from amp_backends import ComputedMapping, hookimpl
 from amp_backends.devices import collectives as collective_libraries
 from amp_backends.extension import ExtensionBackend
 from amp_backends.devices import autocast_lists
@@ -28,6 +28,32 @@ def cpu_fallback_enabled() -> bool:
     """Whether torch_mlu runs an op it has no MLU kernel for on the CPU (``mlu_fallback``, with a
     warning), as it does by default; off, such an op raises NotImplementedError (``mlu_disable_fallback``)."""
     return os.environ.get("ENABLE_FALLBACK_TO_CPU") not in FALLBACK_OFF
+
+
+def fused_kernels() -> dict[str, tuple[str, str]]:
+    """Read from torch_mlu r2.4_develop's source (not run on an MLU here):
+
+    - ``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_`` (+ ``.tensor_lr``) are registered
+      (``codegen/mlu_functions.yaml``); the BANG kernels return first when found_inf is 1
+      (``internal/fused_torch_adamw_internal.mlu``, ``internal/fused_torch_sgd_internal.mlu``, ``call``)
+      and multiply each gradient by 1/grad_scale, written back (same files);
+    - no ``_fused_adagrad_`` (nothing in ``codegen/`` or ``torch_mlu/csrc/``): ``Adagrad(fused=True)``
+      goes to torch_mlu's CPU fallback (``csrc/aten/MLUFallback.cpp`` ``mlu_fallback``, on by
+      default), which runs torch's CPU kernel (it skips and divides) on copies and writes them back,
+      slowly and with a warning; with ``ENABLE_FALLBACK_TO_CPU=0`` it raises NotImplementedError."""
+    declared = {kind: (HONOURS, "torch_mlu's BANG kernels skip when found_inf is 1 and multiply the gradients "
+                                "by 1/grad_scale (internal/fused_torch_adamw_internal.mlu, "
+                                "fused_torch_sgd_internal.mlu)")
+                for kind in ("adam", "adamw", "sgd")}
+    if cpu_fallback_enabled():
+        declared["adagrad"] = (HONOURS, "torch_mlu registers no _fused_adagrad_: its CPU fallback "
+                                        "(csrc/aten/MLUFallback.cpp mlu_fallback) runs torch's CPU kernel, which "
+                                        "skips and divides, slowly and with a warning")
+    else:
+        declared["adagrad"] = (ABSENT, "torch_mlu registers no _fused_adagrad_ and ENABLE_FALLBACK_TO_CPU=0 turns "
+                                       "off its CPU fallback (csrc/aten/MLUFallback.cpp mlu_disable_fallback): "
+                                       "use Adagrad(fused=False), or unset ENABLE_FALLBACK_TO_CPU")
+    return declared
 
 
 class MLUBackend(ExtensionBackend):
@@ -55,32 +81,9 @@ class MLUBackend(ExtensionBackend):
     max_tensor_elements = 2**31 - 1
     # torch_mlu r2.4_develop is built for torch 2.4.0 exactly
     built_for_torch = "2.4.0"
-
-    @property
-    def fused_found_inf(self) -> dict[str, tuple[str, str]]:
-        """Read from torch_mlu r2.4_develop's source (not run on an MLU here):
-
-        - ``_fused_adam_``, ``_fused_adamw_``, ``_fused_sgd_`` (+ ``.tensor_lr``) are registered
-          (``codegen/mlu_functions.yaml``); the BANG kernels return first when found_inf is 1
-          (``internal/fused_torch_adamw_internal.mlu``, ``internal/fused_torch_sgd_internal.mlu``, ``call``)
-          and multiply each gradient by 1/grad_scale, written back (same files);
-        - no ``_fused_adagrad_`` (nothing in ``codegen/`` or ``torch_mlu/csrc/``): ``Adagrad(fused=True)``
-          goes to torch_mlu's CPU fallback (``csrc/aten/MLUFallback.cpp`` ``mlu_fallback``, on by
-          default), which runs torch's CPU kernel (it skips and divides) on copies and writes them back,
-          slowly and with a warning; with ``ENABLE_FALLBACK_TO_CPU=0`` it raises NotImplementedError."""
-        declared = {kind: (HONOURS, "torch_mlu's BANG kernels skip when found_inf is 1 and multiply the gradients "
-                                    "by 1/grad_scale (internal/fused_torch_adamw_internal.mlu, "
-                                    "fused_torch_sgd_internal.mlu)")
-                    for kind in ("adam", "adamw", "sgd")}
-        if cpu_fallback_enabled():
-            declared["adagrad"] = (HONOURS, "torch_mlu registers no _fused_adagrad_: its CPU fallback "
-                                            "(csrc/aten/MLUFallback.cpp mlu_fallback) runs torch's CPU kernel, which "
-                                            "skips and divides, slowly and with a warning")
-        else:
-            declared["adagrad"] = (ABSENT, "torch_mlu registers no _fused_adagrad_ and ENABLE_FALLBACK_TO_CPU=0 turns "
-                                           "off its CPU fallback (csrc/aten/MLUFallback.cpp mlu_disable_fallback): "
-                                           "use Adagrad(fused=False), or unset ENABLE_FALLBACK_TO_CPU")
-        return declared
+    #: What the fused optimizer kernels do with found_inf and grad_scale (:func:`fused_kernels`: it depends on
+    #: ENABLE_FALLBACK_TO_CPU, so it is computed when read)
+    fused_found_inf = ComputedMapping(fused_kernels)
 
     def fp8_unavailable_reason(self) -> str | None:
         """torch_mlu registers no ``_scaled_mm`` (r2.4_develop and every branch in Cambricon's public

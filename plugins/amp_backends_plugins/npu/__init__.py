@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from amp_backends import hookimpl
+from amp_backends import ComputedMapping, OverflowStatus, hookimpl
 from amp_backends.devices import collectives as collective_libraries
 from amp_backends.extension import ExtensionBackend
 from amp_backends.devices import autocast_lists
@@ -68,7 +68,29 @@ AUTOCAST = autocast_lists.CUDA.changed(
 )
 
 
-class NPUBackend(ExtensionBackend):
+def fused_kernels() -> dict[str, tuple[str, str]]:
+    """Read from op-plugin (``op_plugin/config/op_plugin_functions.yaml``, ``op_plugin/ops/opapi/``)
+    and torch_npu (master), not run on an Ascend NPU here:
+
+    - ``_fused_adamw_`` takes grad_scale and found_inf and reads neither
+      (``FusedAdamWKernelNpuOpApi.cpp``): ignores; the scaler checks, skips or unscales from the host;
+    - ``_fused_sgd_`` returns when found_inf is 1 (``FusedSgdKernelOpApi.cpp``, a host read) and
+      hands grad_scale to CANN's ``aclnnFusedSgd``, whose use of it op-plugin does not show: not
+      trusted to divide, so the scaler unscales first and hands grad_scale None (an empty tensor
+      to ``aclnnFusedSgd``);
+    - no ``_fused_adam_``, ``_fused_adamw_.tensor_lr`` or ``_fused_adagrad_``: torch_npu's CPU
+      fallback runs torch's CPU kernels (they skip and divide), unless it is turned off."""
+    return {
+        "adamw": (IGNORES, "op-plugin's _fused_adamw_ never reads grad_scale or found_inf "
+                           "(FusedAdamWKernelNpuOpApi.cpp): the scaler unscales and skips it from the host"),
+        "adam": _fallback_kernel("_fused_adam_", "Adam"),
+        "sgd": (SCALE_BLIND, "op-plugin's _fused_sgd_ returns when found_inf is 1 (FusedSgdKernelOpApi.cpp) and "
+                             "hands grad_scale to CANN's aclnnFusedSgd, whose use of it op-plugin does not show"),
+        "adagrad": _fallback_kernel("_fused_adagrad_", "Adagrad"),
+    }
+
+
+class NPUBackend(OverflowStatus, ExtensionBackend):
     """Mixed precision on Ascend NPUs (fp16 by default, bf16 where the chip has it, HCCL)."""
 
     name = "npu"
@@ -86,27 +108,9 @@ class NPUBackend(ExtensionBackend):
     #: linalg_vecdot or cuDNN convolutions, no upsampling in float32, no vdot promoted; BCE banned
     autocast_lists = AUTOCAST
     state_dict_dynamic = True  # torch_npu's scaler requires "dynamic" in a checkpoint it loads
-    @property
-    def fused_found_inf(self) -> dict[str, tuple[str, str]]:
-        """Read from op-plugin (``op_plugin/config/op_plugin_functions.yaml``, ``op_plugin/ops/opapi/``)
-        and torch_npu (master), not run on an Ascend NPU here:
-
-        - ``_fused_adamw_`` takes grad_scale and found_inf and reads neither
-          (``FusedAdamWKernelNpuOpApi.cpp``): ignores; the scaler checks, skips or unscales from the host;
-        - ``_fused_sgd_`` returns when found_inf is 1 (``FusedSgdKernelOpApi.cpp``, a host read) and
-          hands grad_scale to CANN's ``aclnnFusedSgd``, whose use of it op-plugin does not show: not
-          trusted to divide, so the scaler unscales first and hands grad_scale None (an empty tensor
-          to ``aclnnFusedSgd``);
-        - no ``_fused_adam_``, ``_fused_adamw_.tensor_lr`` or ``_fused_adagrad_``: torch_npu's CPU
-          fallback runs torch's CPU kernels (they skip and divide), unless it is turned off."""
-        return {
-            "adamw": (IGNORES, "op-plugin's _fused_adamw_ never reads grad_scale or found_inf "
-                               "(FusedAdamWKernelNpuOpApi.cpp): the scaler unscales and skips it from the host"),
-            "adam": _fallback_kernel("_fused_adam_", "Adam"),
-            "sgd": (SCALE_BLIND, "op-plugin's _fused_sgd_ returns when found_inf is 1 (FusedSgdKernelOpApi.cpp) and "
-                                 "hands grad_scale to CANN's aclnnFusedSgd, whose use of it op-plugin does not show"),
-            "adagrad": _fallback_kernel("_fused_adagrad_", "Adagrad"),
-        }
+    #: What the fused optimizer kernels do with found_inf and grad_scale (:func:`fused_kernels`: it depends on
+    #: TORCH_NPU_FALLBACK_CPU_DISABLE, so it is computed when read)
+    fused_found_inf = ComputedMapping(fused_kernels)
 
     def _soc_version(self) -> int | None:
         """``torch_npu._C._npu_get_soc_version()`` (``c10_npu::SocVersion``), None where unknown."""

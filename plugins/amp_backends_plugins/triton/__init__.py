@@ -3,7 +3,7 @@ read-only check, each one launch per (device, dtype) group however many tensors.
 
 Importing this plugin does not import Triton; the first kernel call does. The CUDA
 backend (and any backend on a device Triton supports) picks it automatically when
-Triton is installed; ``AMP_BACKENDS_KERNEL=triton`` forces it (on CPU tensors only under
+Triton is installed (:attr:`TritonKernel.auto_device_types`); ``AMP_BACKENDS_KERNEL=triton`` forces it (on CPU tensors only under
 ``TRITON_INTERPRET=1``), ``AMP_BACKENDS_KERNEL=torch`` turns it off.
 """
 
@@ -35,7 +35,11 @@ class TritonKernel(Kernel):
     name = "triton"
     priority = 10
     one_pass_norm = True
+    #: The dtypes the kernels in ``_kernels.py`` compile for (the one declaration: they read it here).
     handles_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    #: Chosen automatically where Triton compiles for the device; on CPU tensors (the interpreter, for
+    #: testing) only when forced.
+    auto_device_types = TRITON_DEVICE_TYPES
 
     def __init__(self) -> None:
         self._impl: Any = None
@@ -55,13 +59,6 @@ class TritonKernel(Kernel):
         if device_type not in TRITON_DEVICE_TYPES and device_type != "cpu":
             return f"Triton does not compile for device type {device_type!r}"
         return None
-
-    def supports(self, device_type: str) -> bool:
-        return self.unavailable_reason(device_type) is None
-
-    def auto_select(self, device_type: str) -> bool:
-        # The interpreter is for testing: never chosen automatically for CPU tensors.
-        return device_type in TRITON_DEVICE_TYPES and self._installed()
 
     @property
     def impl(self) -> Any:

@@ -31,6 +31,8 @@ import triton.language as tl
 from amp_backends.gradients.groups import FlatGroup
 from amp_backends.gradients.kernel import TORCH_KERNEL, add_sum_of_squares, through_float32
 
+from . import TritonKernel
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -66,8 +68,8 @@ MAXNREG = 128
 #: Launch options per device kind: ``maxnreg`` is an NVIDIA option (ROCm's backend has none).
 _NVIDIA_OPTIONS = {"maxnreg": MAXNREG} if not getattr(torch.version, "hip", None) else {}
 
-#: Gradient dtypes the kernel handles; others go to torch's ops.
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Gradient dtypes the kernel handles (declared once, on the kernel); others go to torch's ops.
+KERNEL_DTYPES = TritonKernel.handles_dtypes
 
 #: Block tables by the gradients' addresses (the hit every step where they stay put) and by their
 #: layout relative to the first (offsets and sizes: gradients freed and allocated again at other

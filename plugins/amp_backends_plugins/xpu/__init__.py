@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from amp_backends import Backend, hookimpl
+from amp_backends import Backend, ComputedMapping, hookimpl
 from amp_backends.devices import collectives as collective_libraries
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import HONOURS
@@ -46,6 +46,15 @@ def _module() -> Any:
     return getattr(torch, "xpu", None)
 
 
+def fused_kernels() -> dict[str, tuple[str, str]]:
+    """The fused kernels this torch's XPU build has (:data:`FUSED_SINCE`), read from torch-xpu-ops'
+    source (not run on an Intel GPU here); on an older torch each kind is probed on the device."""
+    release = _torch_release()
+    return {kind: (HONOURS, f"torch-xpu-ops' fused kernel (src/ATen/native/xpu/{_FUSED_SOURCE[kind]}, torch "
+                            f"{since[0]}.{since[1]}+) skips when found_inf is 1 and divides by grad_scale")
+            for kind, since in FUSED_SINCE.items() if release >= since}
+
+
 class XPUBackend(Backend):
     """Mixed precision on Intel GPUs through ``torch.autocast("xpu")``."""
 
@@ -56,6 +65,9 @@ class XPUBackend(Backend):
     #: torch's XPU lists (aten/src/ATen/autocast_mode.cpp, XPU block): CUDA's macros without the cuDNN
     #: convolutions; binary_cross_entropy banned, so a precision policy runs nn.BCELoss in float32
     autocast_lists = autocast_lists.XPU
+    #: What the fused optimizer kernels do with found_inf and grad_scale (:func:`fused_kernels`: it depends on
+    #: the torch release, so it is computed when read)
+    fused_found_inf = ComputedMapping(fused_kernels)
 
     def unavailable_reason(self) -> str | None:
         xpu = _module()
@@ -76,15 +88,6 @@ class XPUBackend(Backend):
             hint = f" ({', '.join(set_vars)} decides which are visible)" if set_vars else ""
             return f"no Intel GPU visible: torch.xpu.device_count() is 0{hint}; check the driver with xpu-smi"
         return None
-
-    @property
-    def fused_found_inf(self) -> dict[str, tuple[str, str]]:
-        """The fused kernels this torch's XPU build has (:data:`FUSED_SINCE`), read from torch-xpu-ops'
-        source (not run on an Intel GPU here); on an older torch each kind is probed on the device."""
-        release = _torch_release()
-        return {kind: (HONOURS, f"torch-xpu-ops' fused kernel (src/ATen/native/xpu/{_FUSED_SOURCE[kind]}, torch "
-                                f"{since[0]}.{since[1]}+) skips when found_inf is 1 and divides by grad_scale")
-                for kind, since in FUSED_SINCE.items() if release >= since}
 
     def fp8_dtypes(self) -> tuple[torch.dtype, ...]:
         """From torch 2.10 (:data:`FP8_TORCH`): e4m3fn and e5m2 operands, tensorwise or rowwise scales

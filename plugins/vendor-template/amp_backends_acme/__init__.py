@@ -27,6 +27,10 @@ class AcmeBackend(amp_backends.Backend):
     # autocast_mode.cpp", fp32=...). The conformance suite runs every module under your autocast against
     # them. This template's autocast is the CPU's.
     autocast_lists = autocast_lists.CPU
+    # what your fused optimizer kernels do with grad_scale and found_inf, per kind, citing your source, e.g.
+    # fused_found_inf = {"adamw": ("honours", "torch_acme's FusedAdamW.cpp skips and divides")}; undeclared kinds
+    # are probed on the device. Optional capabilities are mixins: a device-wide overflow register is
+    # class AcmeBackend(amp_backends.OverflowStatus, amp_backends.Backend) with its two methods.
 
     def unavailable_reason(self) -> str | None:
         # the one availability probe: None where the device can be used, else why not
