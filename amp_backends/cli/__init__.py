@@ -2,7 +2,10 @@
 
 Owns the command line (:mod:`.main`) and each command's module.
 
-May import: anything in the package (it is application code); nothing in the package imports it.
+May import: :mod:`amp_backends.inspector`, :mod:`amp_backends.memory`, :mod:`amp_backends.precision`,
+:mod:`amp_backends.checkpoint`, :mod:`amp_backends.backend`, :mod:`amp_backends.registry`,
+:mod:`amp_backends.devices`, :mod:`amp_backends.console`, :mod:`amp_backends.errors` and torch (application
+code: nothing in the package imports it).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Owns the scaler (:mod:`.scaler`), the plan each optimizer's step follows (:mod:`
 (:mod:`.clipping`), the counters (:mod:`.telemetry`), argument checks (:mod:`.validation`) and
 agreement across ranks (:mod:`.consensus`).
 
-May import: :mod:`amp_backends.registry`, :mod:`amp_backends.gradients.collect`, :mod:`amp_backends.devices`,
-:mod:`amp_backends.eager`, :mod:`amp_backends.errors`.
+May import: :mod:`amp_backends.registry`, :mod:`amp_backends.gradients`, :mod:`amp_backends.devices`,
+:mod:`amp_backends.eager`, :mod:`amp_backends.errors` and torch.
 """
 
 from __future__ import annotations
