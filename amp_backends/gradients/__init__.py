@@ -7,5 +7,5 @@ device declares (:mod:`.executor`), the flat gradient arena (:mod:`.arena`, with
 lists that count their own changes, :mod:`.watched`) and the walk that finds an optimizer's gradients
 (:mod:`.collect`).
 
-May import: :mod:`amp_backends.devices`, :mod:`amp_backends.eager` and torch.
+May import: :mod:`amp_backends.devices`, :mod:`amp_backends.eager`, :mod:`amp_backends.patches` and torch.
 """

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .. import patches
 from ..eager import eager
 from .accumulation import Hooks, holders, take_over
 from .groups import ALIGN_BYTES, ARENA_ATTR, FP16_PARAMS, FlatGroup, layout, views_of
@@ -159,6 +160,7 @@ class FlatGrads:
         self._warned: set[str] = set()
         #: a zero_grad the optimizer had as its own attribute (else its class's runs)
         self._own_zero_grad = optimizer.__dict__.get("zero_grad")
+        self._zero_grad_patch: patches.Patch | None = None  # set by flat_grads(), undone by release()
         self._hooks = Hooks(self, optimizer, self._slots)
 
     @property
@@ -348,11 +350,8 @@ class FlatGrads:
             return
         if getattr(optimizer, _ATTR, None) is self:
             delattr(optimizer, _ATTR)
-        if optimizer.__dict__.get("zero_grad") == self.zero_grad:
-            if self._own_zero_grad is not None:
-                optimizer.zero_grad = self._own_zero_grad  # type: ignore[method-assign]  # the arena's zero_grad stands in for the optimizer's
-            else:
-                del optimizer.zero_grad
+        if self._zero_grad_patch is not None:
+            self._zero_grad_patch.remove()
 
     @property
     def nbytes(self) -> int:
@@ -387,7 +386,9 @@ def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = CHECKS[0]) -> F
     others = holders((p for g in optimizer.param_groups for p in g["params"]), previous)
     arena = FlatGrads(optimizer, check)
     setattr(optimizer, _ATTR, arena)
-    optimizer.zero_grad = arena.zero_grad  # type: ignore[method-assign]  # the arena's zero_grad stands in for the optimizer's
+    arena._zero_grad_patch = patches.replace(
+        optimizer, "zero_grad", arena.zero_grad, scope="until FlatGrads.release() (or flat_grads() again)",
+        cause="the arena's zero_grad keeps gradients in its buffers (zeroed in place, or set to None as torch's)")
     take_over(others)
     return arena
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .. import patches
 from ..errors import AmpBackendsError
 from ..precision.fp32_forward import Fp32Forward
 from .fused_loss import chunk_rows, linear_cross_entropy
@@ -304,7 +305,8 @@ def lazy_head(module: nn.Linear) -> _LazyHead:
     if isinstance(held, _LazyHead):
         return held
     wrapper = _LazyHead(module, held)
-    module.forward = wrapper  # type: ignore[method-assign]  # the forward is wrapped per instance
+    patches.wrap(module, "forward", wrapper, scope="until undo_lazy_head() (Lean.remove())",
+                 cause="the LM head returns lazy logits, its loss computed a block of rows at a time")
     return wrapper
 
 
@@ -312,7 +314,4 @@ def undo_lazy_head(module: nn.Linear) -> None:
     """Give ``module`` back the forward it had before :func:`lazy_head`."""
     wrapper = module.__dict__.get("forward")
     if isinstance(wrapper, _LazyHead):
-        if wrapper.previous is None:
-            del module.__dict__["forward"]
-        else:
-            module.forward = wrapper.previous  # type: ignore[method-assign]  # the instance's own forward put back
+        patches.unwrap(module, "forward", wrapper)
