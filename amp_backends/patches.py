@@ -167,12 +167,13 @@ def track(target: object, name: str, wrapper: Any, *, cause: str, scope: str) ->
 
 
 def _unwrapped(owner: object, name: str, wrapper: Any) -> None:
+    previous = wrapper.previous
     if vars(owner).get(name) is not wrapper:
         return  # replaced since: that replacement is left alone
-    if wrapper.previous is None:
+    if previous is None:
         del vars(owner)[name]
     else:
-        setattr(owner, name, wrapper.previous)
+        setattr(owner, name, previous)
 
 
 def unwrap(target: object, name: str, wrapper: Any) -> None:

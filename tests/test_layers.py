@@ -18,8 +18,9 @@ PACKAGE = Path(amp_backends.__file__).resolve().parent
 
 #: The layers, lowest first: a module may import its own package and the packages of lower layers.
 LAYERS: list[set[str]] = [
-    {"errors", "eager", "console",            # base utilities; old import paths; reversible patches;
-     "compat", "patches", "torch_private"},   # torch's private names, each resolved once
+    {"torch_private"},                        # torch's private names, each resolved once
+    {"errors", "eager", "console",            # base utilities; old import paths; reversible patches
+     "compat", "patches"},
     {"devices"},                              # what a device is: the declarative contract
     {"gradients"},                            # the gradient op: kernels, executor, arena
     {"registry"},                             # plugin discovery: backends and kernels

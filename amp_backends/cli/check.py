@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ..inspector.check import check_model
 from ..errors import AmpBackendsError
 from ..patches import stdout_to_stderr
+from ..torch_private import tree_map
 
 __all__ = ["load_target", "main", "plan_main"]
 

@@ -4,5 +4,5 @@ Owns the device contract (:mod:`.contract`), the base of PrivateUse1 extensions 
 what torch and the CPU say about the machine (:mod:`.accelerator`, :mod:`.hardware`) and what a
 device's fused optimizer kernels do with ``found_inf`` (:mod:`.fused`). It runs no training work.
 
-May import: :mod:`amp_backends.errors` and torch. Nothing above it.
+May import: :mod:`amp_backends.errors`, :mod:`amp_backends.torch_private` and torch. Nothing above it.
 """

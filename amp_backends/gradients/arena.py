@@ -44,6 +44,7 @@ import torch
 
 from .. import patches
 from ..eager import eager
+from ..torch_private import foreach_zero_, storage_use_count
 from .accumulation import Hooks, holders, take_over
 from .groups import ALIGN_BYTES, ARENA_ATTR, FP16_PARAMS, FlatGroup, layout, views_of
 from .watched import ParamGroups
@@ -52,7 +53,7 @@ __all__ = ["ALIGN_BYTES", "ARENA_ATTR", "CHECKS", "FP16_PARAMS", "FlatGrads", "F
            "layout"]
 
 _ATTR = ARENA_ATTR
-_use_count = torch._C._storage_Use_Count
+_use_count = storage_use_count
 #: How the arena confirms the gradients are in place (see the module docstring); the first is the default.
 CHECKS = ("refcount", "identity")
 
@@ -127,7 +128,7 @@ class _Slots:
         g = self.group
         g.dirty = False
         if self.free:
-            torch._foreach_zero_([self.spare[i] for i in self.free])
+            foreach_zero_([self.spare[i] for i in self.free])
         gaps = g.cache.get("gaps")
         if gaps is None:
             ends = [o + n for o, n in zip(g.offsets, g.numels)]
@@ -241,7 +242,7 @@ class FlatGrads:
             extra = s.refs() - s.base - len(s.free) - held
             if dead and extra == 0:  # dropped views nobody holds: their slots are free again, zeroed
                 views = views_of(g.buffer, [g.offsets[i] for i in dead], [g.shapes[i] for i in dead])
-                torch._foreach_zero_(views)
+                foreach_zero_(views)
                 for i, v in zip(dead, views):
                     s.spare[i] = v
                     s.free.add(i)

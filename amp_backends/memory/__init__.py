@@ -8,7 +8,8 @@ masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (
 torchao's per-parameter compiled step with its compile wrapper built once (:mod:`.compile_once`).
 
 May import: :mod:`amp_backends.precision`, :mod:`amp_backends.backend`, :mod:`amp_backends.registry`,
-:mod:`amp_backends.eager`, :mod:`amp_backends.errors`, :mod:`amp_backends.patches` and torch.
+:mod:`amp_backends.eager`, :mod:`amp_backends.errors`, :mod:`amp_backends.patches`,
+:mod:`amp_backends.torch_private` and torch.
 """
 
 from __future__ import annotations

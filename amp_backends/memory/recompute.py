@@ -38,6 +38,7 @@ from torch import nn
 
 from .. import patches
 from ..errors import AmpBackendsError
+from ..torch_private import OpOverload, OpOverloadPacket
 
 __all__ = ["SAVE", "Recompute", "RecomputeError", "find_blocks", "selective_recompute", "unavailable_reason"]
 
@@ -95,9 +96,9 @@ def _packets(save: Iterable[Any]) -> frozenset[Any]:
     """The ops of ``save`` as both overload packets and overloads (a policy sees overloads)."""
     out: set[Any] = set()
     for op in save:
-        if isinstance(op, torch._ops.OpOverloadPacket):
+        if isinstance(op, OpOverloadPacket):
             out.add(op)
-        elif isinstance(op, torch._ops.OpOverload):
+        elif isinstance(op, OpOverload):
             out.add(op)
         else:
             raise RecomputeError(f"save= takes torch ops (e.g. torch.ops.aten.mm), got {op!r}")

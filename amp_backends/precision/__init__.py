@@ -10,7 +10,8 @@ torchao computes it (:mod:`.formats`, :mod:`.quantize`), statistics per layer (:
 the plan (:mod:`.plan`: the data; :mod:`.planner`: measuring and choosing).
 
 May import: :mod:`amp_backends.tracing`, :mod:`amp_backends.backend`, :mod:`amp_backends.scaler`,
-:mod:`amp_backends.registry`, :mod:`amp_backends.errors`, :mod:`amp_backends.patches` and torch.
+:mod:`amp_backends.registry`, :mod:`amp_backends.errors`, :mod:`amp_backends.patches`,
+:mod:`amp_backends.torch_private` and torch.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import patches
+from ..torch_private import FUNCTORCH_CONFIG, resolve, tree_leaves, tree_map
 
 __all__ = ["Fp32Forward"]
 
@@ -102,7 +102,7 @@ class Fp32Forward:
             for device_type in active:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
             if low:
-                from torch.nn.utils.stateless import _reparametrize_module
+                from ..torch_private import reparametrize_module as _reparametrize_module
 
                 stack.enter_context(_reparametrize_module(self.module, low))
             args, kwargs = tree_map(_to_fp32, (args, kwargs))
@@ -194,8 +194,5 @@ def _switch_back() -> None:
 
 
 def _functorch_config() -> Any:
-    try:
-        from torch._functorch import config
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return None
+    config = resolve(FUNCTORCH_CONFIG)
     return config if hasattr(config, "backward_pass_autocast") else None

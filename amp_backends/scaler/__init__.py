@@ -5,7 +5,7 @@ Owns the scaler (:mod:`.scaler`), the plan each optimizer's step follows (:mod:`
 agreement across ranks (:mod:`.consensus`).
 
 May import: :mod:`amp_backends.registry`, :mod:`amp_backends.gradients`, :mod:`amp_backends.devices`,
-:mod:`amp_backends.eager`, :mod:`amp_backends.errors` and torch.
+:mod:`amp_backends.eager`, :mod:`amp_backends.errors`, :mod:`amp_backends.torch_private` and torch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and the backend conformance suite (a pytest plugin, inert unless
 ``--amp-backend`` is given).
 
 May import: :mod:`amp_backends.distributed`, :mod:`amp_backends.registry`, :mod:`amp_backends.gradients`,
-:mod:`amp_backends.devices` and torch.
+:mod:`amp_backends.devices`, :mod:`amp_backends.torch_private` and torch.
 """
 
 from __future__ import annotations
