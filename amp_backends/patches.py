@@ -14,8 +14,9 @@ for tests and ``amp-backends info``.
 - :func:`replaced` is :func:`replace` for the span of a ``with`` block; :func:`record` lists, for the
   span of a ``with`` block, a patch the caller applies itself (``contextlib.redirect_stdout``).
 
-A patch holds the patched object and its new value weakly: it leaves :func:`active` when either is
-collected, and never keeps a model or an optimizer alive.
+A patch holds the patched object and its new value weakly, and leaves :func:`active` when either is
+collected; what :func:`replace` replaced it holds until the undo (a method bound to the patched object
+through the object, so that an optimizer's or a module's own method never keeps it alive).
 """
 
 from __future__ import annotations
