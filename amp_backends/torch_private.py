@@ -16,6 +16,7 @@ them (the scaler subclasses ``torch.amp.GradScaler`` and keeps its per-optimizer
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,8 @@ class Private:
     fallback: str
     checked_on: tuple[str, ...] = CHECKED
     lazy: bool = False
+    #: an op of the ``torch`` namespace, looked up at each call (see :func:`_op`)
+    per_call: bool = False
 
     def resolve(self) -> Any:
         """The object at :attr:`path` on the running torch, or None where it has none."""
@@ -62,6 +65,20 @@ def _entry(path: str, fallback: str, *, lazy: bool = False) -> Any:
     """Record ``path``; its object now (None where missing), or, ``lazy``, the path for :func:`resolve`."""
     NAMES[path] = Private(path, fallback, lazy=lazy)
     return path if lazy else resolve(path)
+
+
+def _op(path: str, fallback: str) -> Callable[..., Any]:
+    """Record ``torch.<op>`` and return a function that looks it up at each call, as a direct
+    ``torch.<op>(...)`` does: a test or a profiler that replaces the op on ``torch`` is seen."""
+    NAMES[path] = Private(path, fallback, per_call=True)
+    name = path.rpartition(".")[2]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(torch, name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"``torch.{name}``, looked up at each call."
+    return call
 
 
 def resolve(path: str) -> Any:
@@ -104,13 +121,13 @@ FUNCTORCH_CONFIG = _entry("torch._functorch.config", "none: without its backward
                           "region's backward is eager's already (nothing to switch)", lazy=True)
 
 # -- the gradient op and optimizer steps: the ops torch's own GradScaler and optimizers call ------------
-amp_foreach_non_finite_check_and_unscale_ = _entry(
+amp_foreach_non_finite_check_and_unscale_ = _op(
     "torch._amp_foreach_non_finite_check_and_unscale_", "none: torch.amp.GradScaler itself calls it; the package requires it")
-foreach_mul_ = _entry("torch._foreach_mul_", "a loop of Tensor.mul_ (not taken: every supported torch has it)")
-foreach_mul = _entry("torch._foreach_mul", "a list of Tensor.mul (not taken: as _foreach_mul_)")
-foreach_norm = _entry("torch._foreach_norm", "torch.linalg.vector_norm per tensor (not taken: as _foreach_mul_)")
-foreach_zero_ = _entry("torch._foreach_zero_", "a loop of Tensor.zero_ (not taken: as _foreach_mul_)")
-foreach_copy_ = _entry("torch._foreach_copy_", "a loop of Tensor.copy_ (not taken: as _foreach_mul_)")
+foreach_mul_ = _op("torch._foreach_mul_", "a loop of Tensor.mul_ (not taken: every supported torch has it)")
+foreach_mul = _op("torch._foreach_mul", "a list of Tensor.mul (not taken: as _foreach_mul_)")
+foreach_norm = _op("torch._foreach_norm", "torch.linalg.vector_norm per tensor (not taken: as _foreach_mul_)")
+foreach_zero_ = _op("torch._foreach_zero_", "a loop of Tensor.zero_ (not taken: as _foreach_mul_)")
+foreach_copy_ = _op("torch._foreach_copy_", "a loop of Tensor.copy_ (not taken: as _foreach_mul_)")
 device_has_foreach_support = _entry("torch.utils._foreach_utils._device_has_foreach_support",
                                     "none: clipping runs its per-tensor path where it answers False")
 flatten_dense_tensors = _entry("torch._utils._flatten_dense_tensors", "torch.cat of the flattened tensors (not taken)")
@@ -164,4 +181,13 @@ ATTRIBUTES: tuple[Attribute, ...] = (
               ("amp_backends/scaler/scaler.py", "amp_backends/scaler/plans.py")),
     Attribute("torch.UntypedStorage", "_cdata", "the storage's handle, what torch._C._storage_Use_Count takes",
               ("amp_backends/gradients/arena.py", "amp_backends/memory/chunked_loss.py", "amp_backends/testing/simdevice.py")),
+    Attribute("torch.nn.modules.module", "_global_backward_hooks",
+              "emptied while a model runs isolated (read by name, with _global_backward_pre_hooks)",
+              ("amp_backends/tracing/isolation.py",)),
+    Attribute("torch.nn.Module", "_backward_hooks", "emptied while a model runs isolated (with _backward_pre_hooks); "
+              "a parameter's (Tensor._backward_hooks) carried onto its fp8 all-gather wrapper",
+              ("amp_backends/tracing/isolation.py", "amp_backends/precision/fp8/carry.py")),
+    Attribute("torch.Tensor", "_post_accumulate_grad_hooks", "a parameter's hooks, emptied while a model runs isolated "
+              "and carried onto its fp8 all-gather wrapper",
+              ("amp_backends/tracing/isolation.py", "amp_backends/precision/fp8/carry.py")),
 )

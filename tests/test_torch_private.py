@@ -103,7 +103,7 @@ def test_every_private_name_resolves_here_or_has_its_fallback(path):
     running = torch.__version__.split("+")[0]
     if running in entry.checked_on:
         assert value is not None, f"{path} was checked on torch {running} but does not resolve"
-    if not entry.lazy and value is not None:
+    if not entry.lazy and not entry.per_call and value is not None:
         assert getattr(torch_private, _exported(path)) is value
 
 
@@ -115,10 +115,26 @@ def _exported(path: str) -> str:
     raise AssertionError(f"{path}: resolved but bound to no name in amp_backends.torch_private")
 
 
+def test_an_op_is_looked_up_at_each_call_as_torch_calls_it(monkeypatch):
+    """A test or a profiler that replaces ``torch._foreach_mul_`` is seen through torch_private."""
+    calls = []
+    real = torch._foreach_mul_
+
+    def counted(tensors, factor):
+        calls.append(len(tensors))
+        return real(tensors, factor)
+
+    monkeypatch.setattr(torch, "_foreach_mul_", counted)
+    tensors = [torch.ones(2), torch.ones(3)]
+    torch_private.foreach_mul_(tensors, 2.0)
+    assert calls == [2] and all(torch.equal(t, torch.full_like(t, 2.0)) for t in tensors)
+
+
 def test_recorded_attributes_exist_on_torchs_objects():
     scaler = torch.amp.GradScaler("cpu")
     storage = torch.empty(1).untyped_storage()
-    owners = {"torch.amp.GradScaler": scaler, "torch.UntypedStorage": storage}
+    owners = {"torch.amp.GradScaler": scaler, "torch.UntypedStorage": storage, "torch.nn.Module": torch.nn.Linear(1, 1),
+              "torch.nn.modules.module": torch.nn.modules.module, "torch.Tensor": torch.nn.Parameter(torch.ones(1))}
     for attribute in torch_private.ATTRIBUTES:
         assert hasattr(owners[attribute.owner], attribute.name), f"{attribute.owner}.{attribute.name} is gone"
         for reader in attribute.readers:
