@@ -9,9 +9,7 @@
 
 from __future__ import annotations
 
-import sys
-from typing import TYPE_CHECKING
-
+from . import compat
 from .backend import Backend, get
 from .devices.capabilities import OverflowStatus
 from .devices.contract import ComputedMapping
@@ -32,13 +30,10 @@ from .registry.registry import available, names, plugins, register_plugin, reloa
 
 __version__ = "0.1.0"
 
-if TYPE_CHECKING:
-    from importlib.machinery import ModuleSpec
-    from types import ModuleType
+compat.install()  # the flat package's old module paths, each with the release that removes it
 
 #: Submodules reached as attributes, imported on first use: name -> module.
-_LAZY_SUBMODULES = {"check": "inspector.check", "checkpoint": "checkpoint", "distributed": "distributed",
-                    "info": "cli.info", "memory": "memory", "testing": "testing"}
+_LAZY_SUBMODULES = {"checkpoint": "checkpoint", "distributed": "distributed", "memory": "memory", "testing": "testing"}
 #: What a training loop may not use, imported on first use (keeps ``import amp_backends`` cheap): name -> module.
 _LAZY_NAMES = {
     "GradScaler": "scaler.scaler", "ScalerStats": "scaler.telemetry",
@@ -54,7 +49,8 @@ _LAZY_NAMES = {
 
 
 def __getattr__(name: str) -> object:
-    """``amp_backends.GradScaler``, ``precision_policy``, ``distributed`` and friends, imported on first use."""
+    """``amp_backends.GradScaler``, ``precision_policy``, ``distributed`` and friends, imported on first use;
+    an old module path (``amp_backends.check``) the way ``import`` answers it (:mod:`.compat`)."""
     import importlib
 
     if name in _LAZY_SUBMODULES:
@@ -63,60 +59,14 @@ def __getattr__(name: str) -> object:
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY_NAMES[name]}"), name)
         globals()[name] = value  # asked once
         return value
+    old = compat.moved(name)
+    if old is not None:
+        return old
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY_NAMES) | set(_LAZY_SUBMODULES))
-
-
-#: Modules that moved into the packages by concern: old name -> where it lives now. Importing the old
-#: path gives the module itself (the same object), with a DeprecationWarning naming the new path.
-_MOVED_MODULES = {
-    "accelerator": "devices.accelerator", "fused": "devices.fused", "hardware": "devices.hardware",
-    "arena": "gradients.arena", "flat": "gradients.groups", "kernels": "gradients.kernel",
-    "hookspecs": "registry.hookspecs",
-    "clipping": "scaler.clipping", "consensus": "scaler.consensus", "telemetry": "scaler.telemetry",
-    "validation": "scaler.validation",
-    "attribution": "tracing.attribution", "isolation": "tracing.isolation", "opcount": "tracing.opcount",
-    "checkpoint_values": "checkpoint.values",
-    "fp32_forward": "precision.fp32_forward", "selectors": "precision.selectors",
-    "modules": "precision.autocast_module", "fp8": "precision.fp8.engine", "fp8_linear": "precision.fp8.linear",
-    "fp8_policy": "precision.fp8.convert",
-    "check": "inspector.check", "nonfinite": "inspector.nonfinite", "report": "inspector.report",
-    "bench": "cli.bench", "bench_fp8": "cli.bench_fp8", "bench_models": "cli.bench_models",
-    "check_cli": "cli.check", "demo": "cli.demo", "info": "cli.info",
-}
-
-
-class _MovedModules:
-    """Import hook, last on ``sys.meta_path``, that answers the old paths in ``_MOVED_MODULES``."""
-
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> ModuleSpec | None:
-        package, _, old = fullname.partition(".")
-        if package != __name__ or old not in _MOVED_MODULES:
-            return None
-        import importlib.util
-
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: ModuleSpec) -> ModuleType:
-        import importlib
-        import warnings
-
-        new = f"{__name__}.{_MOVED_MODULES[spec.name.partition('.')[2]]}"
-        warnings.warn(f"{spec.name} moved to {new}: import it from there", DeprecationWarning, stacklevel=2)
-        module = importlib.import_module(new)
-        spec.loader_state = module.__spec__
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        """The module already ran at its new path: give it back the spec the import system replaced."""
-        module.__spec__ = module.__spec__.loader_state
-
-
-if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
-    sys.meta_path.append(_MovedModules())
 
 
 __all__ = [

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from torch._compile import _disable_dynamo
+from .torch_private import DYNAMO_SKIP, resolve
+from .torch_private import disable_dynamo as _disable_dynamo
 
 __all__ = ["eager", "eager_frame", "untraced"]
 
@@ -27,17 +28,15 @@ F = TypeVar("F", bound=Callable[..., object])
 
 def eager(fn: F) -> F:
     """Run ``fn``, and all it calls, outside torch.compile."""
-    return _disable_dynamo(fn, recursive=True)  # type: ignore[return-value]  # torch's disable() is typed loosely; it returns fn wrapped
+    return _disable_dynamo(fn, recursive=True)  # torch's disable() returns fn wrapped
 
 
 def eager_frame(fn: F) -> F:
     """Do not trace ``fn``'s own frame; the functions it calls are compiled as usual."""
-    return _disable_dynamo(fn, recursive=False)  # type: ignore[return-value]  # torch's disable() is typed loosely; it returns fn wrapped
+    return _disable_dynamo(fn, recursive=False)  # torch's disable() returns fn wrapped
 
 
 def untraced(fn: F) -> F:
     """Mark ``fn``'s code as never traced by dynamo; returns ``fn`` itself. What it calls is traced
     unless marked too: call only builtins and :func:`eager` functions from it."""
-    import torch._dynamo.decorators
-
-    return torch._dynamo.decorators.skip(fn)
+    return resolve(DYNAMO_SKIP)(fn)  # dynamo's skip returns fn itself

@@ -5,6 +5,7 @@ classes of a size a newcomer can read."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,9 @@ PACKAGE = Path(amp_backends.__file__).resolve().parent
 
 #: The layers, lowest first: a module may import its own package and the packages of lower layers.
 LAYERS: list[set[str]] = [
-    {"errors", "eager", "console"},           # base utilities
+    {"torch_private"},                        # torch's private names, each resolved once
+    {"errors", "eager", "console",            # base utilities; old import paths; reversible patches
+     "compat", "patches"},
     {"devices"},                              # what a device is: the declarative contract
     {"gradients"},                            # the gradient op: kernels, executor, arena
     {"registry"},                             # plugin discovery: backends and kernels
@@ -80,7 +83,55 @@ def test_every_package_has_a_layer_and_says_what_it_owns():
             assert package in LAYER_OF, f"{name}: package {package!r} has no layer in tests/test_layers.py"
         if path.name == "__init__.py" and package:
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-            assert "May import" in doc or package in ("testing", "integrations"), f"{name} does not say what it may import"
+            assert "May import:" in doc, f"{name} does not say what it may import (a 'May import:' paragraph)"
+
+
+def may_import(package_init: Path) -> set[str]:
+    """The modules and packages a package's ``__init__`` docstring lists in its "May import:" paragraph
+    (``:mod:`amp_backends.x``` references, up to the next blank line)."""
+    doc = ast.get_docstring(ast.parse(package_init.read_text())) or ""
+    paragraph = doc.partition("May import:")[2].split("\n\n")[0]
+    return set(re.findall(r":mod:`(amp_backends(?:\.\w+)+)`", paragraph))
+
+
+def _covers(entry: str, module: str) -> bool:
+    return module == entry or module.startswith(entry + ".")
+
+
+def test_each_package_imports_exactly_what_its_docstring_lists():
+    """The "May import" maps are the imports: every module's import from another package (or a top-level
+    module) is covered by its package's list, and every entry of the list is imported by some module."""
+    modules, graph = _modules(), _graph()
+    wrong = []
+    for name, path in sorted(modules.items()):
+        package = _package(name)
+        if path.name != "__init__.py" or name.count(".") != 1:
+            continue
+        listed = may_import(path)
+        wrong += [f"{name} lists {entry}, which is not a module or package" for entry in sorted(listed - set(modules))]
+        used: set[str] = set()
+        for module, deps in graph.items():
+            if _package(module) != package:
+                continue
+            for dep in sorted(deps):
+                if _package(dep) == package:
+                    continue
+                covering = {entry for entry in listed if _covers(entry, dep)}
+                used |= covering
+                if not covering:
+                    wrong.append(f"{module} imports {dep}, not in {name}'s 'May import' list")
+        wrong += [f"{name} lists {entry}, which none of its modules imports" for entry in sorted(listed - used)]
+    assert not wrong, "the 'May import' maps and the imports differ:\n" + "\n".join(wrong)
+
+
+def test_the_may_import_check_reads_what_it_is_given(tmp_path):
+    """The parser takes the listed references and only those of the "May import:" paragraph."""
+    init = tmp_path / "__init__.py"
+    init.write_text('"""Owns :mod:`amp_backends.scaler`.\n\nMay import: :mod:`amp_backends.devices`,\n'
+                    ':mod:`amp_backends.gradients.kernel` and torch.\n\nSee :mod:`amp_backends.cli`."""\n')
+    assert may_import(init) == {"amp_backends.devices", "amp_backends.gradients.kernel"}
+    assert _covers("amp_backends.devices", "amp_backends.devices.fused")
+    assert not _covers("amp_backends.devices", "amp_backends.devices_extra")
 
 
 def test_each_module_imports_only_its_own_package_and_lower_layers():
@@ -184,8 +235,8 @@ def test_every_old_module_path_still_imports(old, monkeypatch):
         assert importlib.import_module(f"amp_backends.{old}") is new
     assert new.__spec__ is spec and new.__name__ == spec.name
     moved = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and "moved" in str(w.message)]
-    assert moved == ([f"amp_backends.{old} moved to amp_backends.{FLAT_MODULES[old]}: import it from there"]
-                     if FLAT_MODULES[old] != old else [])
+    assert moved == ([f"amp_backends.{old} moved to amp_backends.{FLAT_MODULES[old]}: import it from there "
+                      "(the old path is removed in 0.3)"] if FLAT_MODULES[old] != old else [])
 
 
 def test_what_the_built_in_plugins_imported_before_the_layout_still_imports():

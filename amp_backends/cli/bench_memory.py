@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .. import patches
 from ..backend import Backend, get
 from ..console import render_table
 from ..errors import PerformanceWarning
@@ -76,12 +77,9 @@ def recompute_unavailable(name: str) -> str | None:
 def _eager_torchao() -> Iterator[None]:
     """torchao's optimizers compile their update; counted on fake tensors it runs eagerly (its
     temporaries an upper bound of the compiled step's; the optimizer's phase is not where the peak is)."""
-    saved = torch.compile
-    torch.compile = lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f)  # type: ignore[assignment]  # compile switched off for the measurement, put back after
-    try:
+    with patches.replaced(torch, "compile", lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f),
+                          cause="torchao's optimizer step runs eagerly on fake tensors", scope="inside the measurement"):
         yield
-    finally:
-        torch.compile = saved
 
 
 def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *, fake: bool,

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ..inspector.check import check_model
 from ..errors import AmpBackendsError
+from ..patches import stdout_to_stderr
+from ..torch_private import tree_map
 
 __all__ = ["load_target", "main", "plan_main"]
 
@@ -58,17 +59,14 @@ def load_target(target: str, size: str = "small") -> tuple[nn.Module, Any, Calla
 def main(target: str, backend: str | None, dtype: str | None, size: str, policy: str,
          loss_scale: float | None, as_json: bool, fp8: str | None = None) -> int:
     """``amp-backends check``: print the table and the summary (or JSON, alone on stdout)."""
-    import contextlib
     import json
-    import sys
 
     from ..registry.registry import resolve_backend
 
     if loss_scale is not None and not (math.isfinite(loss_scale) and loss_scale > 0):
         raise AmpBackendsError(f"--loss-scale must be a positive number, got {loss_scale:g}")
     be = resolve_backend(backend)
-    # what the target prints goes to stderr: stdout carries the report (JSON a parser reads whole)
-    with contextlib.redirect_stdout(sys.stderr):
+    with stdout_to_stderr(cause="what the target prints goes to stderr: stdout carries the report (JSON a parser reads whole)"):
         model, inputs, loss_fn = load_target(target, size)
         dev = be.device()
         model = model.to(dev)
@@ -102,9 +100,7 @@ def main(target: str, backend: str | None, dtype: str | None, size: str, policy:
 def plan_main(target: str, backend: str | None, dtype: str | None, size: str, budget: float, emulate: bool,
               save: str | None, as_json: bool) -> int:
     """``amp-backends check --plan``: the per-layer precision plan, as a table with reasons or JSON."""
-    import contextlib
     import json
-    import sys
 
     from ..precision.formats import dtype_format
     from ..precision.planner import plan_precision
@@ -114,7 +110,7 @@ def plan_main(target: str, backend: str | None, dtype: str | None, size: str, bu
     low = be.default_dtype if dtype is None else getattr(torch, dtype, None)
     if not isinstance(low, torch.dtype) or low not in (torch.bfloat16, torch.float16):
         raise AmpBackendsError(f"--dtype {dtype!r}: a plan is for autocast in bfloat16 or float16")
-    with contextlib.redirect_stdout(sys.stderr):
+    with stdout_to_stderr(cause="what the target prints goes to stderr: stdout carries the plan"):
         model, inputs, loss_fn = load_target(target, size)
         dev = be.device()
         model = model.to(dev)

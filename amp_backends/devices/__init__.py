@@ -5,5 +5,5 @@ older spellings still honoured (:mod:`.old_contract`), what torch and the CPU sa
 (:mod:`.accelerator`, :mod:`.hardware`) and what a device's fused optimizer kernels do with
 ``found_inf`` (:mod:`.fused`). It runs no training work.
 
-May import: :mod:`amp_backends.errors` and torch. Nothing above it.
+May import: :mod:`amp_backends.errors`, :mod:`amp_backends.torch_private` and torch. Nothing above it.
 """

@@ -12,6 +12,8 @@ import warnings
 
 import torch
 
+from ..torch_private import get_privateuse1_backend_name
+
 __all__ = ["ACCELERATOR_API", "autocast_dtypes", "available_accelerator_type", "current_accelerator_type", "memory_call",
            "privateuse1_name", "process_group_backend", "synchronize"]
 
@@ -34,7 +36,7 @@ def current_accelerator_type() -> str | None:
 def privateuse1_name() -> str | None:
     """The name an extension gave PyTorch's PrivateUse1 device (``torch.utils.rename_privateuse1_backend``),
     or None while it keeps its default name."""
-    name = torch._C._get_privateuse1_backend_name()
+    name = get_privateuse1_backend_name()
     return None if name == "privateuseone" else name
 
 

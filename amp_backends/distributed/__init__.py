@@ -7,7 +7,7 @@ counted as dispatched (:func:`count_collectives`, :mod:`.counting`); FSDP2's Mix
 backend and the precision policy, gradients divided, then summed (:func:`shard_in_low_precision`, :mod:`.sharding`).
 
 May import: :mod:`amp_backends.backend`, :mod:`amp_backends.registry`, :mod:`amp_backends.devices`,
-:mod:`amp_backends.errors`.
+:mod:`amp_backends.errors`, :mod:`amp_backends.torch_private` and torch.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..torch_private import TorchDispatchMode
 
 __all__ = ["CollectiveLog", "CollectiveRecord", "count_collectives", "reduce_op_name"]
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..backend import Backend
 from ..registry.registry import get
+from ..torch_private import COMPOSABLE_FSDP, FSDP_REDUCE_SCATTER, resolve
 from .library import CollectiveError, dtype_name, library_of, require_gather, require_reduce
 
 __all__ = ["ShardPlan", "fsdp_api", "shard_in_low_precision"]
@@ -37,7 +38,10 @@ def fsdp_api() -> tuple[Any, Any]:
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+        composable = resolve(COMPOSABLE_FSDP)
+        if composable is None:
+            raise ImportError("this torch has no fully_shard (FSDP2): torch 2.4 or later has it") from None
+        return composable.fully_shard, composable.MixedPrecisionPolicy
     return fully_shard, MixedPrecisionPolicy
 
 
@@ -54,7 +58,7 @@ class ShardPlan:
 
 def _divide_then_sum(divisor: int) -> Any:
     """A fully_shard ReduceScatter that divides its input by ``divisor`` and reduce-scatters with SUM."""
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    ReduceScatter: Any = resolve(FSDP_REDUCE_SCATTER)
 
     scatter = getattr(dist, "reduce_scatter_single", None)
 
@@ -77,8 +81,9 @@ def _divide_then_sum(divisor: int) -> Any:
 def _can_divide_then_sum() -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # noqa: F401 - imported to see whether this torch has it
     except ImportError:
+        return False
+    if resolve(FSDP_REDUCE_SCATTER) is None:
         return False
     return all(hasattr(FSDPModule, m) for m in ("set_custom_reduce_scatter", "set_force_sum_reduction_for_comms",
                                                 "set_gradient_divide_factor"))

@@ -7,5 +7,6 @@ device declares (:mod:`.executor`), the flat gradient arena (:mod:`.arena`, with
 lists that count their own changes, :mod:`.watched`) and the walk that finds an optimizer's gradients
 (:mod:`.collect`).
 
-May import: :mod:`amp_backends.devices`, :mod:`amp_backends.eager`, :mod:`amp_backends.errors`.
+May import: :mod:`amp_backends.devices`, :mod:`amp_backends.eager`, :mod:`amp_backends.patches`,
+:mod:`amp_backends.torch_private` and torch.
 """

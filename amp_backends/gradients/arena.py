@@ -42,7 +42,9 @@ from typing import Any
 
 import torch
 
+from .. import patches
 from ..eager import eager
+from ..torch_private import foreach_zero_, storage_use_count
 from .accumulation import Hooks, holders, take_over
 from .groups import ALIGN_BYTES, ARENA_ATTR, FP16_PARAMS, FlatGroup, layout, views_of
 from .watched import ParamGroups
@@ -51,7 +53,7 @@ __all__ = ["ALIGN_BYTES", "ARENA_ATTR", "CHECKS", "FP16_PARAMS", "FlatGrads", "F
            "layout"]
 
 _ATTR = ARENA_ATTR
-_use_count = torch._C._storage_Use_Count
+_use_count = storage_use_count
 #: How the arena confirms the gradients are in place (see the module docstring); the first is the default.
 CHECKS = ("refcount", "identity")
 
@@ -126,7 +128,7 @@ class _Slots:
         g = self.group
         g.dirty = False
         if self.free:
-            torch._foreach_zero_([self.spare[i] for i in self.free])
+            foreach_zero_([self.spare[i] for i in self.free])
         gaps = g.cache.get("gaps")
         if gaps is None:
             ends = [o + n for o, n in zip(g.offsets, g.numels)]
@@ -159,6 +161,7 @@ class FlatGrads:
         self._warned: set[str] = set()
         #: a zero_grad the optimizer had as its own attribute (else its class's runs)
         self._own_zero_grad = optimizer.__dict__.get("zero_grad")
+        self._zero_grad_patch: patches.Patch | None = None  # set by flat_grads(), undone by release()
         self._hooks = Hooks(self, optimizer, self._slots)
 
     @property
@@ -239,7 +242,7 @@ class FlatGrads:
             extra = s.refs() - s.base - len(s.free) - held
             if dead and extra == 0:  # dropped views nobody holds: their slots are free again, zeroed
                 views = views_of(g.buffer, [g.offsets[i] for i in dead], [g.shapes[i] for i in dead])
-                torch._foreach_zero_(views)
+                foreach_zero_(views)
                 for i, v in zip(dead, views):
                     s.spare[i] = v
                     s.free.add(i)
@@ -348,11 +351,8 @@ class FlatGrads:
             return
         if getattr(optimizer, _ATTR, None) is self:
             delattr(optimizer, _ATTR)
-        if optimizer.__dict__.get("zero_grad") == self.zero_grad:
-            if self._own_zero_grad is not None:
-                optimizer.zero_grad = self._own_zero_grad  # type: ignore[method-assign]  # the arena's zero_grad stands in for the optimizer's
-            else:
-                del optimizer.zero_grad
+        if self._zero_grad_patch is not None:
+            self._zero_grad_patch.remove()
 
     @property
     def nbytes(self) -> int:
@@ -387,7 +387,9 @@ def flat_grads(optimizer: torch.optim.Optimizer, *, check: str = CHECKS[0]) -> F
     others = holders((p for g in optimizer.param_groups for p in g["params"]), previous)
     arena = FlatGrads(optimizer, check)
     setattr(optimizer, _ATTR, arena)
-    optimizer.zero_grad = arena.zero_grad  # type: ignore[method-assign]  # the arena's zero_grad stands in for the optimizer's
+    arena._zero_grad_patch = patches.replace(
+        optimizer, "zero_grad", arena.zero_grad, scope="until FlatGrads.release() (or flat_grads() again)",
+        cause="the arena's zero_grad keeps gradients in its buffers (zeroed in place, or set to None as torch's)")
     take_over(others)
     return arena
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .groups import FlatGroup, GradGroup, TensorGroup
+from ..torch_private import foreach_mul_
 from .kernel import Kernel, add_sum_of_squares
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def _by_overflow_status(device: Device, to_scale: Sequence[torch.Tensor], grads:
     device.read_overflow_status_(found_inf)
     overflow = found_inf > 0
     if inv_scale is not None:
-        torch._foreach_mul_(list(to_scale), torch.where(overflow, torch.ones_like(inv_scale), inv_scale))
+        foreach_mul_(list(to_scale), torch.where(overflow, torch.ones_like(inv_scale), inv_scale))
     if norm_sq is not None:
         add_sum_of_squares(grads, norm_sq)
         norm_sq.copy_(torch.where(overflow.to(norm_sq.device), torch.full_like(norm_sq, math.inf), norm_sq))

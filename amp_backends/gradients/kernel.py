@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ..devices.old_contract import KERNEL_METHODS, KERNEL_SPELLINGS, REMOVED_IN, Removed, defines
+from ..torch_private import amp_foreach_non_finite_check_and_unscale_, foreach_norm
 from .groups import FlatGroup, GradGroup, TensorGroup
 
 __all__ = ["Kernel", "TORCH_KERNEL", "TorchKernel", "add_sum_of_squares", "selects_itself", "through_float32"]
@@ -35,11 +36,11 @@ def add_sum_of_squares(grads: Sequence[torch.Tensor], norm_sq: torch.Tensor) -> 
         return
     grads = list(grads)
     if all(g.dtype == torch.float32 for g in grads):
-        norms = torch._foreach_norm(grads, 2.0)  # already fp32: DTensor (torch 2.14) refuses the dtype argument
+        norms = foreach_norm(grads, 2.0)  # already fp32: DTensor (torch 2.14) refuses the dtype argument
     elif any(type(g) is not torch.Tensor for g in grads):
-        norms = torch._foreach_norm([g.float() for g in grads], 2.0)  # exact upcast: the same fp32 norms
+        norms = foreach_norm([g.float() for g in grads], 2.0)  # exact upcast: the same fp32 norms
     else:
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+        norms = foreach_norm(grads, 2.0, dtype=torch.float32)
     total = torch.linalg.vector_norm(torch.stack(list(norms)))
     full_tensor = getattr(total, "full_tensor", None)  # a DTensor: reduce its partial norm
     if callable(full_tensor):
@@ -55,7 +56,7 @@ def torch_op_(group: GradGroup, found_inf: torch.Tensor, inv_scale: torch.Tensor
     tensors = [group.buffer] if isinstance(group, FlatGroup) else list(group.tensors)
     if inv_scale is None:
         inv_scale = torch.ones((), dtype=torch.float32, device=found_inf.device)
-    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+    amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
     if norm_sq is not None:
         add_sum_of_squares(group.gradients(), norm_sq)
 

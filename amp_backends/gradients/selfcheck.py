@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..torch_private import amp_foreach_non_finite_check_and_unscale_
 from .groups import FlatGroup, TensorGroup, layout
 from .kernel import Kernel
 
@@ -110,7 +111,7 @@ def _small_problem(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> 
         reference = [g.clone() for g in grads]
         found, ref_found = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
         kernel.grad_op_(_group(grads), found, inv)
-        torch._amp_foreach_non_finite_check_and_unscale_(reference, ref_found, inv)
+        amp_foreach_non_finite_check_and_unscale_(reference, ref_found, inv)
         if bool(found.item()) != (bad is not None):
             return f"{'missed an' if bad is not None else 'reported an'} inf/NaN in {dtype} gradients"
         if bad is None and not all(torch.equal(a, b) for a, b in zip(grads, reference)):

@@ -4,5 +4,6 @@ Owns the inspector (:mod:`.check`), the loss scales it measures (:mod:`.scales`)
 (:mod:`.report`) and the inf/NaN watch for a training step (:mod:`.nonfinite`).
 
 May import: :mod:`amp_backends.memory`, :mod:`amp_backends.precision`, :mod:`amp_backends.tracing`,
-:mod:`amp_backends.registry`, :mod:`amp_backends.devices`, :mod:`amp_backends.errors`.
+:mod:`amp_backends.backend`, :mod:`amp_backends.registry`, :mod:`amp_backends.devices`,
+:mod:`amp_backends.console`, :mod:`amp_backends.errors`, :mod:`amp_backends.torch_private` and torch.
 """

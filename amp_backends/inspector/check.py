@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from ..precision.fp8 import engine as fp8
 from ..backend import Backend
@@ -43,6 +42,7 @@ from ..memory.by_module import ModuleMemory, saved_by_module
 from ..errors import AmpBackendsError
 from ..tracing.isolation import call_args, untouched
 from ..tracing.opcount import NonFinite, Op, OpRecorder
+from ..torch_private import tree_leaves
 from . import scales as measured
 from .report import FP16_MAX, ModelReport, ModuleRow
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..torch_private import DisableTorchDispatch
+
 __all__ = ["SCALE_RANGE", "Sweep", "choose", "gaps", "grads", "lost", "lost_masks", "measure", "nonfinite", "runs"]
 
 #: The loss scales tried: powers of two from 2**-24 to 2**30 (torch's scaler starts at 2**16).
@@ -43,7 +45,7 @@ def _dense(g: torch.Tensor | None) -> torch.Tensor | None:
 def grads(loss: torch.Tensor, params: list[torch.Tensor], scale: float, retain: bool) -> list[torch.Tensor | None]:
     """Gradients of ``loss * scale`` divided by ``scale`` (float32), without touching ``.grad``."""
     found = torch.autograd.grad(loss * scale, params, retain_graph=retain, allow_unused=True)
-    with torch._C._DisableTorchDispatch():  # the check's own arithmetic is not the model's
+    with DisableTorchDispatch():  # the check's own arithmetic is not the model's
         return [None if g is None else _dense(g) / scale for g in found]
 
 

@@ -6,6 +6,9 @@
   Transformers ``Trainer``, through ``AmpTrainer`` or ``AmpTrainerCallback``) use the backend's
   autocast and scaler (``[accelerate]``);
 - ``amp_backends.integrations.timm.NativeScaler``: timm's loss-scaler calling convention (``[timm]``).
+
+May import: :mod:`amp_backends.backend`, :mod:`amp_backends.scaler`, :mod:`amp_backends.registry`,
+:mod:`amp_backends.errors` and the framework each adapter is for, imported when used.
 """
 
 from __future__ import annotations

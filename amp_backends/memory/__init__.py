@@ -7,9 +7,9 @@ a time with the gradients made in the forward (:mod:`.fused_loss`), low-precisio
 masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (:mod:`.recompute`),
 torchao's per-parameter compiled step with its compile wrapper built once (:mod:`.compile_once`).
 
-May import: :mod:`amp_backends.precision`, :mod:`amp_backends.distributed`, :mod:`amp_backends.backend`,
-:mod:`amp_backends.registry`, :mod:`amp_backends.scaler`, :mod:`amp_backends.tracing`,
-:mod:`amp_backends.devices`, :mod:`amp_backends.gradients`, :mod:`amp_backends.errors`.
+May import: :mod:`amp_backends.precision`, :mod:`amp_backends.backend`, :mod:`amp_backends.registry`,
+:mod:`amp_backends.eager`, :mod:`amp_backends.errors`, :mod:`amp_backends.patches`,
+:mod:`amp_backends.torch_private` and torch.
 """
 
 from __future__ import annotations

@@ -30,10 +30,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from .. import patches
 from ..errors import AmpBackendsError
 from ..precision.fp32_forward import Fp32Forward
+from ..torch_private import DisableTorchFunctionSubclass, make_wrapper_subclass, tree_leaves
 from .fused_loss import chunk_rows, linear_cross_entropy
 
 __all__ = ["LazyHeadError", "LazyLogits", "chunk_rows", "head_lever_refusal", "lazy_head", "linear_cross_entropy",
@@ -76,7 +77,7 @@ class LazyLogits(torch.Tensor):
         dtype = torch.float32 if upcast else (low if enabled else hidden.dtype)
         grad = torch.is_grad_enabled() if grad is None else grad
         needs = grad and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-        self = torch.Tensor._make_wrapper_subclass(
+        self = make_wrapper_subclass(
             cls, (*hidden.shape[:-1], weight.shape[0]), dtype=dtype, device=hidden.device, requires_grad=needs)
         self._hidden, self._head, self._autocast, self._upcast = hidden, (weight, bias), autocast, upcast
         self._grad_mode = grad
@@ -128,7 +129,7 @@ class LazyLogits(torch.Tensor):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         if func in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__len__, torch.Tensor.numel) or name == "__get__":
-            with torch._C.DisableTorchFunctionSubclass():  # shape, dtype, device, requires_grad: the wrapper's own
+            with DisableTorchFunctionSubclass():  # shape, dtype, device, requires_grad: the wrapper's own
                 return func(*args, **kwargs)
         self = args[0] if args else None
         if isinstance(self, LazyLogits) and (name == "__setitem__" or name in _INPLACE_DUNDERS
@@ -304,7 +305,8 @@ def lazy_head(module: nn.Linear) -> _LazyHead:
     if isinstance(held, _LazyHead):
         return held
     wrapper = _LazyHead(module, held)
-    module.forward = wrapper  # type: ignore[method-assign]  # the forward is wrapped per instance
+    patches.wrap(module, "forward", wrapper, scope="until undo_lazy_head() (Lean.remove())",
+                 cause="the LM head returns lazy logits, its loss computed a block of rows at a time")
     return wrapper
 
 
@@ -312,7 +314,4 @@ def undo_lazy_head(module: nn.Linear) -> None:
     """Give ``module`` back the forward it had before :func:`lazy_head`."""
     wrapper = module.__dict__.get("forward")
     if isinstance(wrapper, _LazyHead):
-        if wrapper.previous is None:
-            del module.__dict__["forward"]
-        else:
-            module.forward = wrapper.previous  # type: ignore[method-assign]  # the instance's own forward put back
+        patches.unwrap(module, "forward", wrapper)

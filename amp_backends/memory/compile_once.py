@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .. import patches
+
 __all__ = ["compile_once", "compiled_once", "uses_compile_per_call"]
 
 _LOCK = threading.RLock()
@@ -48,11 +50,9 @@ def compiled_once(cache: dict[Any, Any]) -> Iterator[None]:
                 cache[key] = real(model, **options)
             return cache[key]
 
-        torch.compile = compile  # type: ignore[assignment]
-        try:
+        with patches.replaced(torch, "compile", compile, scope="inside the optimizer's step",
+                              cause="torchao's step compiles its update per parameter: each wrapper built once"):
             yield
-        finally:
-            torch.compile = real  # type: ignore[assignment]
 
 
 def compile_once(optimizer: Any) -> Any:

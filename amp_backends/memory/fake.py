@@ -68,7 +68,7 @@ def measure(make: Callable[[], Setup], *, fake: bool = True, steps: int = 2) -> 
     """The ledger of the last of ``steps`` training steps (the first makes the optimizer's state): what
     ``make()`` builds, under ``FakeTensorMode`` (no arithmetic; build the model with
     :func:`on_meta_then_fake` inside ``make``) or for real."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ..torch_private import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
     with mode if mode is not None else torch.device("cpu"):

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..torch_private import DelayedError
+
 __all__ = ["BLOCK_BYTES", "block_bytes", "chunk_rows", "linear_cross_entropy"]
 
 #: A block's working set on a CPU (or a device that does not say how much memory is free).
@@ -193,7 +195,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # create_graph=True: these gradients have no graph back to the head; differentiating them raises
             held = [t for t in out if t is not None]
             fake = [t.detach().requires_grad_(True) for t in held]
-            errored = iter(torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(fake))(*fake))
+            errored = iter(DelayedError(_DOUBLE_BACKWARD, len(fake))(*fake))
             out = [None if t is None else next(errored) for t in out]
         return (*out, None, None, None, None, None, None, None, None)
 

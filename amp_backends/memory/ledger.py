@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ..torch_private import TorchDispatchMode, tree_leaves
 
 __all__ = ["PARTS", "Ledger", "MemoryReport"]
 

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
+from ..torch_private import FakeTensor, foreach_mul
 from .master_buffers import Flats, consolidate, float32_grads, grad_key, grads_of, round_into
 from .master_buffers import inverse as inverse_of
 from .master_unscale import ExactUnscale
@@ -285,7 +285,7 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
         held = grads_of(wide)
         with self.on_masters(grads=True, grad_scale=unscale, synced=True):
             if wide and unscale is not None:  # float32 parameters' gradients, unscaled for this step only
-                scaled = torch._foreach_mul(held, inverse_of(unscale, held[0].device))
+                scaled = foreach_mul(held, inverse_of(unscale, held[0].device))
                 for p, g in zip(wide, scaled):
                     p.grad = g
             if on_device:

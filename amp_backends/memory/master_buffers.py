@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..torch_private import flatten_dense_tensors, foreach_copy_, foreach_mul_, foreach_norm, unflatten_dense_tensors
+
 __all__ = ["Flats", "consolidate", "float32_grads", "grad_key", "grads_of", "inverse", "norm", "round_into", "scale_"]
 
 #: (device, parameter dtype) -> (float32 buffer, its parameters, their masters: views of it)
@@ -23,7 +25,7 @@ def scale_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
         else:
             by_device.setdefault(g.device, []).append(g)
     for device, same in by_device.items():
-        torch._foreach_mul_(same, factor.to(device))
+        foreach_mul_(same, factor.to(device))
 
 
 def norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -35,7 +37,7 @@ def norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     for g in dense:
         by_device.setdefault(g.device, []).append(g)
     first = dense[0].device
-    norms = [n.to(first) for same in by_device.values() for n in torch._foreach_norm(same, norm_type)]
+    norms = [n.to(first) for same in by_device.values() for n in foreach_norm(same, norm_type)]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
@@ -72,10 +74,10 @@ def float32_grads(grads: list[torch.Tensor], inverse: torch.Tensor | None) -> li
             if inverse is not None:
                 views = [v.mul_(inverse.to(device)) for v in views]
         else:  # one concatenation and one cast (a copy across dtypes per tensor is a launch per tensor)
-            flat = torch._utils._flatten_dense_tensors(same).to(torch.float32)
+            flat = flatten_dense_tensors(same).to(torch.float32)
             if inverse is not None:
                 flat.mul_(inverse.to(device))
-            views = list(torch._utils._unflatten_dense_tensors(flat, same))  # one call for every view
+            views = list(unflatten_dense_tensors(flat, same))  # one call for every view
         for v, i in zip(views, index):
             out[i] = v
     return out
@@ -98,8 +100,8 @@ def consolidate(masters: dict[nn.Parameter, torch.Tensor], flats: Flats, fake: b
         values = [masters[p] for p in params]
         if fake or any(m.is_sparse for m in values):
             continue
-        flat = torch._utils._flatten_dense_tensors(values)
-        views = list(torch._utils._unflatten_dense_tensors(flat, values))
+        flat = flatten_dense_tensors(values)
+        views = list(unflatten_dense_tensors(flat, values))
         for p, v in zip(params, views):
             masters[p] = v
         flats[key] = (flat, params, views)
@@ -113,8 +115,8 @@ def round_into(masters: dict[nn.Parameter, torch.Tensor], flats: Flats, with_mas
     for (_, dtype), (flat, params, _) in flats.items():
         low = flat.to(dtype)
         targets: list[torch.Tensor] = list(params)
-        torch._foreach_copy_(targets, list(torch._utils._unflatten_dense_tensors(low, targets)))
+        foreach_copy_(targets, list(unflatten_dense_tensors(low, targets)))
         done.update(id(p) for p in params)
     rest = [p for p in with_master if id(p) not in done]
     if rest:
-        torch._foreach_copy_(list[torch.Tensor](rest), [masters[p] for p in rest])
+        foreach_copy_(list[torch.Tensor](rest), [masters[p] for p in rest])

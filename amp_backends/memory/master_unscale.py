@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..torch_private import foreach_copy_
 from .master_buffers import float32_grads, grad_key, grads_of, norm, scale_
 
 __all__ = ["ExactUnscale"]
@@ -42,7 +43,7 @@ class ExactUnscale:
         plain = [p.grad for p in self._params() if p not in self.masters and p.grad is not None]
         scale_(plain, inv_scale)
         if low:
-            torch._foreach_copy_(grads_of(low), wide)
+            foreach_copy_(grads_of(low), wide)
         self._exact = {p: (w, grad_key(p)) for p, w in zip(low, wide)}
         if norm_sq is not None:
             grads = [self._exact[p][0] if p in self._exact else p.grad for p in self._params() if p.grad is not None]
@@ -63,6 +64,6 @@ class ExactUnscale:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         scale_(grads, coef)
         if low:
-            torch._foreach_copy_(grads_of(low), wide)
+            foreach_copy_(grads_of(low), wide)
         self._exact = {p: (w, grad_key(p)) for p, w in zip(low, wide)}
         return total

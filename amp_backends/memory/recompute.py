@@ -36,7 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import patches
 from ..errors import AmpBackendsError
+from ..torch_private import OpOverload, OpOverloadPacket
 
 __all__ = ["SAVE", "Recompute", "RecomputeError", "find_blocks", "selective_recompute", "unavailable_reason"]
 
@@ -94,9 +96,9 @@ def _packets(save: Iterable[Any]) -> frozenset[Any]:
     """The ops of ``save`` as both overload packets and overloads (a policy sees overloads)."""
     out: set[Any] = set()
     for op in save:
-        if isinstance(op, torch._ops.OpOverloadPacket):
+        if isinstance(op, OpOverloadPacket):
             out.add(op)
-        elif isinstance(op, torch._ops.OpOverload):
+        elif isinstance(op, OpOverload):
             out.add(op)
         else:
             raise RecomputeError(f"save= takes torch ops (e.g. torch.ops.aten.mm), got {op!r}")
@@ -140,10 +142,11 @@ class Recompute:
         #: the ops whose outputs are kept
         self.save = save
         self._context = functools.partial(create_selective_checkpoint_contexts, _policy(save))
-        self._had: list[Any] = []
+        self._patches: list[patches.Patch] = []
         for block in self.blocks:
-            self._had.append(block.__dict__.get("forward"))
-            block.forward = self._wrap(block.forward)
+            self._patches.append(patches.replace(
+                block, "forward", self._wrap(block.forward), scope="until Recompute.remove()",
+                cause="the block's forward runs under selective checkpointing, its cheap ops recomputed in backward"))
             _ON[block] = self
 
     def _wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -168,13 +171,10 @@ class Recompute:
 
     def remove(self) -> None:
         """Each block's forward as it was (idempotent)."""
-        for block, had in zip(self.blocks, self._had):
+        for block, patch in zip(self.blocks, self._patches):
             if _ON.get(block) is not self:
                 continue
-            if had is None:
-                del block.forward
-            else:
-                block.forward = had
+            patch.remove()
             del _ON[block]
 
     def __repr__(self) -> str:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import patches
 from ..eager import eager
 
 __all__ = ["LowPrecisionSaves", "autocast_runs_in_fp32", "low_precision_saves"]
@@ -141,10 +142,7 @@ class LowPrecisionSaves:
         for m in self.modules:
             wrapper = m.__dict__.get("forward")
             if isinstance(wrapper, _SavesLow):
-                if wrapper.previous is None:
-                    del m.__dict__["forward"]
-                else:
-                    m.forward = wrapper.previous
+                patches.unwrap(m, "forward", wrapper)
         self.modules = []
 
 
@@ -158,6 +156,7 @@ def low_precision_saves(model: nn.Module) -> LowPrecisionSaves:
     changed = []
     for m in model.modules():
         if type(m) in TYPES and not isinstance(m.__dict__.get("forward"), _SavesLow):
-            m.forward = _SavesLow(m, m.__dict__.get("forward"))
+            patches.wrap(m, "forward", _SavesLow(m, m.__dict__.get("forward")), scope="until LowPrecisionSaves.remove()",
+                         cause="the float32 norm or softmax saves its low-precision input for backward")
             changed.append(m)
     return LowPrecisionSaves(changed)

@@ -9,8 +9,9 @@ autocast in the thread it runs in (:mod:`.autocast_module`), the formats and the
 torchao computes it (:mod:`.formats`, :mod:`.quantize`), statistics per layer (:mod:`.stats`), and
 the plan (:mod:`.plan`: the data; :mod:`.planner`: measuring and choosing).
 
-May import: :mod:`amp_backends.backend`, :mod:`amp_backends.registry`, :mod:`amp_backends.tracing`,
-:mod:`amp_backends.devices`, :mod:`amp_backends.errors`.
+May import: :mod:`amp_backends.tracing`, :mod:`amp_backends.backend`, :mod:`amp_backends.scaler`,
+:mod:`amp_backends.registry`, :mod:`amp_backends.errors`, :mod:`amp_backends.patches`,
+:mod:`amp_backends.torch_private` and torch.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ import warnings
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from ..backend import Backend
 from ..registry.registry import get
+from ..torch_private import tree_leaves
 
 __all__ = ["AutocastModule", "autocast_module"]
 

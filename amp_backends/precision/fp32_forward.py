@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+
+from .. import patches
+from ..torch_private import FUNCTORCH_CONFIG, resolve, tree_leaves, tree_map
 
 __all__ = ["Fp32Forward"]
 
@@ -100,7 +102,7 @@ class Fp32Forward:
             for device_type in active:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
             if low:
-                from torch.nn.utils.stateless import _reparametrize_module
+                from ..torch_private import reparametrize_module as _reparametrize_module
 
                 stack.enter_context(_reparametrize_module(self.module, low))
             args, kwargs = tree_map(_to_fp32, (args, kwargs))
@@ -135,8 +137,11 @@ class Fp32Forward:
 _HELD: dict[int, weakref.ReferenceType] = {}
 #: "off", as an object of this module's own: the value it set is told from a user's "off" by identity.
 _OFF = "".join(("of", "f"))  # noqa: FLY002 - a new object, not the interned literal
-#: The value the setting had before this module switched it to :data:`_OFF` (empty: not switched).
-_BEFORE: list[Any] = []
+#: The patch that switched the setting to :data:`_OFF`, its undo putting torch's value back (empty: not switched).
+_BEFORE: list[patches.Patch] = []
+#: Why and for how long a policy's wrapper replaces a module's forward (:mod:`amp_backends.patches`).
+FP32_CAUSE = "the module runs in float32 inside autocast (a precision policy selects it)"
+FP32_SCOPE = "until every policy holding it is removed (policy.remove())"
 
 
 def hold_eager_backward(wrapper: Fp32Forward) -> None:
@@ -177,23 +182,17 @@ def _switch_off() -> None:
         return
     value = config.backward_pass_autocast
     if isinstance(value, str) and value == "same_as_forward":  # else the user's own value: left alone
-        _BEFORE.append(value)
-        config.backward_pass_autocast = _OFF
+        _BEFORE.append(patches.replace(
+            config, "backward_pass_autocast", _OFF, scope="process-wide, while a float32 module's wrapper is held",
+            cause="AOTAutograd's backward under the forward's autocast runs a float32 module's matmuls in low precision"))
 
 
 def _switch_back() -> None:
     """torch's value again, unless the setting changed since it was switched: then it is the user's."""
-    config = _functorch_config()
-    if config is None or not _BEFORE:
-        return
-    before = _BEFORE.pop()
-    if config.backward_pass_autocast is _OFF:
-        config.backward_pass_autocast = before
+    if _BEFORE:
+        _BEFORE.pop().remove()
 
 
 def _functorch_config() -> Any:
-    try:
-        from torch._functorch import config
-    except ImportError:  # pragma: no cover - every supported torch has it
-        return None
+    config = resolve(FUNCTORCH_CONFIG)
     return config if hasattr(config, "backward_pass_autocast") else None

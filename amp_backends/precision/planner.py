@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..torch_private import tree_leaves
 from .formats import COST_ORDER, DTYPES, PLAN_FORMATS, RECIPE_OF, check_formats, dtype_format, spec
 from .plan import LayerPlan, PrecisionPlan
 from .quantize import MX_BLOCK, qdq
@@ -114,7 +115,7 @@ def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tens
             raise ValueError(f"plan_precision(loss_fn=...) must return a scalar tensor, got "
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         return loss.float().reshape(())
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return sum(t.float().mean() for t in leaves)  # type: ignore[return-value]  # a sum of 0-dim tensors is a tensor
 
 

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .fp32_forward import Fp32Forward
+from .. import patches
+from .fp32_forward import FP32_CAUSE, FP32_SCOPE, Fp32Forward
 from .fp8.convert import Fp8Conversion, convert
 from .plan import PrecisionPlan
 from .selectors import NORM_TYPES, RECIPE, Selector, check_selectors, recipe_head, select
@@ -135,11 +136,8 @@ class PrecisionPolicy:
             if module is None or wrapper is None:
                 continue  # freed: its hold ended with it
             wrapper.release(id(self))
-            if not wrapper.holders and module.__dict__.get("forward") is wrapper:
-                if wrapper.previous is None:
-                    del module.__dict__["forward"]
-                else:
-                    module.forward = wrapper.previous
+            if not wrapper.holders:
+                patches.unwrap(module, "forward", wrapper)
         self._held.clear()
         self._removed = True
 
@@ -292,8 +290,11 @@ def precision_policy(
                                        float32={id(m) for m, _ in chosen.values()}, converters=converters)
     for name, (module, reason) in chosen.items():
         wrapper = module.__dict__.get("forward")
-        if not isinstance(wrapper, Fp32Forward):  # else another policy's: held by this one too
-            wrapper = module.forward = Fp32Forward(module, module.__dict__.get("forward"))
+        if not isinstance(wrapper, Fp32Forward):  # else another policy's (or a copied model's): held by this one too
+            wrapper = Fp32Forward(module, module.__dict__.get("forward"))
+            patches.wrap(module, "forward", wrapper, cause=FP32_CAUSE, scope=FP32_SCOPE)
+        elif patches.find(module, "forward", wrapper) is None:
+            patches.track(module, "forward", wrapper, cause=FP32_CAUSE, scope=FP32_SCOPE)
         wrapper.hold(id(policy), types)
         policy._held[name] = (weakref.ref(module), weakref.ref(wrapper))
         policy._reasons[name] = reason

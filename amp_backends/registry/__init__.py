@@ -2,8 +2,8 @@
 
 Owns the hook specifications (:mod:`.hookspecs`) and the registry (:mod:`.registry`).
 
-May import: :mod:`amp_backends.gradients.collect` (the Kernel interface and its self-check),
-:mod:`amp_backends.devices`, :mod:`amp_backends.errors`, and pluggy.
+May import: :mod:`amp_backends.gradients`, :mod:`amp_backends.devices`, :mod:`amp_backends.errors`,
+:mod:`amp_backends.patches` and pluggy.
 """
 
 from __future__ import annotations

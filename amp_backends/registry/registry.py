@@ -8,8 +8,6 @@ The environment's say is read in :mod:`.environment`, the rules for names taken 
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -23,6 +21,7 @@ from ..devices.accelerator import available_accelerator_type
 from ..devices.contract import Device
 from ..errors import AmpBackendsError, BackendUnavailableError, DuplicateBackendError, UnknownBackendError
 from ..gradients.kernel import Kernel
+from ..patches import stdout_to_stderr
 from . import hookspecs
 from .environment import chosen_backend, disabled_reason, probe_timeout, warn_unmatched
 from .kernel_choice import KernelChoice
@@ -103,8 +102,7 @@ class Registry:
                 return
             self._loaded = True
             try:
-                # a plugin that prints while it loads must not corrupt a caller's stdout (info --json)
-                with contextlib.redirect_stdout(sys.stderr):
+                with stdout_to_stderr(cause="a plugin that prints while it loads must not corrupt a caller's stdout (info --json)"):
                     self._load_all()
             except BaseException:  # Ctrl-C while a plugin loads: propagate, and load afresh next time
                 self._reset()

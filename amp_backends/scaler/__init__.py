@@ -6,8 +6,8 @@ and the unscale they share (:mod:`.steps`), the gradient op over one optimizer (
 clipping (:mod:`.clipping`), the counters (:mod:`.telemetry`), argument checks (:mod:`.validation`)
 and agreement across ranks (:mod:`.consensus`).
 
-May import: :mod:`amp_backends.registry`, :mod:`amp_backends.gradients` (``collect``, ``executor``, ``kernel``,
-``groups``; ``arena`` for types), :mod:`amp_backends.devices`, :mod:`amp_backends.eager`, :mod:`amp_backends.errors`.
+May import: :mod:`amp_backends.registry`, :mod:`amp_backends.gradients`, :mod:`amp_backends.devices`,
+:mod:`amp_backends.eager`, :mod:`amp_backends.errors`, :mod:`amp_backends.torch_private` and torch.
 """
 
 from __future__ import annotations

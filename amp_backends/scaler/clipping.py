@@ -14,6 +14,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from ..gradients.groups import ARENA_ATTR, group_by_device_and_dtype
+from ..torch_private import foreach_mul_, foreach_norm
 
 if TYPE_CHECKING:
     from ..gradients.arena import FlatGrads
@@ -94,14 +95,14 @@ def clip(scaler: ScalerForClipping, optimizer: torch.optim.Optimizer, max_norm: 
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if in_buffers is not None:
         for flat in in_buffers.groups:
-            torch._foreach_mul_([flat.buffer], coef.to(flat.device))
+            foreach_mul_([flat.buffer], coef.to(flat.device))
             flat.dirty = True  # the coefficient may be NaN
     else:
         if params is None:  # an arena whose gradients were not in place
             params = params_with_grads(optimizer)
         for (device, _), grads in group_by_device_and_dtype(p.grad for p in params).items():
             c = coef.to(device)
-            torch._foreach_mul_([g for g in grads if not g.is_sparse], c)
+            foreach_mul_([g for g in grads if not g.is_sparse], c)
             for g in grads:
                 if g.is_sparse:
                     g.mul_(c)
@@ -112,13 +113,13 @@ def _clip_flat(arena: FlatGrads, max_norm: float, norm_type: float) -> torch.Ten
     """``torch.nn.utils.clip_grad_norm_`` on an arena, with its results bit for bit: the same
     norms of the same views, stacked in the same order; the clip multiplies each whole buffer
     by the coefficient with the op torch uses per gradient (foreach where the device has it)."""
-    from torch.utils._foreach_utils import _device_has_foreach_support
+    from ..torch_private import device_has_foreach_support as _device_has_foreach_support
 
     norms: list[torch.Tensor] = []
     for flat in arena.groups:  # where torch loops over vector_norm, _foreach_norm runs that loop in C++
         views = flat.views()
         if views:
-            norms.extend(torch._foreach_norm(views, norm_type))
+            norms.extend(foreach_norm(views, norm_type))
     if not norms:
         return torch.tensor(0.0)
     total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
@@ -126,7 +127,7 @@ def _clip_flat(arena: FlatGrads, max_norm: float, norm_type: float) -> torch.Ten
     for flat in arena.groups:
         c = coef.to(flat.device)
         if _device_has_foreach_support(flat.device):
-            torch._foreach_mul_([flat.buffer], c)
+            foreach_mul_([flat.buffer], c)
         else:
             flat.buffer.mul_(c)
         flat.dirty = True  # the coefficient may be NaN

@@ -21,11 +21,12 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 from ..devices.contract import Device
 from ..eager import eager, eager_frame
 from ..registry.registry import resolve_backend
+from ..torch_private import refresh_per_optimizer_state as _refresh_per_optimizer_state
 from . import clipping, steps
 from .checkpointing import Checkpointing
 from .gradwork import GradientOp

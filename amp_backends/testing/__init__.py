@@ -1,7 +1,11 @@
 """Testing support: the simulated PrivateUse1 device, simulated torch_mlu, torch_npu and
 torch_musa, a simulated extension no plugin claims (torch_sim: the generic backend's device),
 and the backend conformance suite (a pytest plugin, inert unless
-``--amp-backend`` is given)."""
+``--amp-backend`` is given).
+
+May import: :mod:`amp_backends.distributed`, :mod:`amp_backends.registry`, :mod:`amp_backends.gradients`,
+:mod:`amp_backends.devices`, :mod:`amp_backends.torch_private` and torch.
+"""
 
 from __future__ import annotations
 

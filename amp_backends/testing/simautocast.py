@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
 from ..devices.autocast_lists import CUDA
+from ..torch_private import DispatchKey, DispatchKeySet, ExcludeDispatchKeyGuard, get_privateuse1_backend_name, tree_leaves, tree_map
 
 __all__ = ["FP32_OPS", "LOWER_PRECISION_OPS", "PROMOTE_OPS", "register_autocast"]
 
@@ -22,13 +22,13 @@ PROMOTE_OPS = tuple(sorted(CUDA.promote))
 
 
 def _autocast_kernel(cast: str, op_name: str) -> Any:
-    key = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+    key = DispatchKeySet(DispatchKey.AutocastPrivateUse1)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        device = torch._C._get_privateuse1_backend_name()
+        device = get_privateuse1_backend_name()
         low = torch.get_autocast_dtype(device)
         floats = [
-            x.dtype for x in torch.utils._pytree.tree_leaves((args, kwargs))
+            x.dtype for x in tree_leaves((args, kwargs))
             if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type == device
         ]
         if cast == "banned":
@@ -56,7 +56,7 @@ def _autocast_kernel(cast: str, op_name: str) -> Any:
             return x
 
         args, kwargs = tree_map(convert, (args, kwargs))
-        with torch._C._ExcludeDispatchKeyGuard(key):
+        with ExcludeDispatchKeyGuard(key):
             return _OVERLOADS[op_name](*args, **kwargs)
 
     return kernel

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..devices.collectives import OPS, Collectives
 from ..distributed.counting import reduce_op_name
+from ..torch_private import TorchDispatchMode
 
 __all__ = ["REDUCTIONS", "SimulatedCollectiveError", "simulated_library"]
 

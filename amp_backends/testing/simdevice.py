@@ -26,8 +26,9 @@ import warnings
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+from ..torch_private import (accelerator_extension, dispatch_get_all_op_names, dispatch_has_kernel_for_dispatch_key,
+                             storage_use_count, tree_leaves, tree_map)
 from .simautocast import FP32_OPS, LOWER_PRECISION_OPS, PROMOTE_OPS, register_autocast
 
 __all__ = ["raw_of", "install", "installed_name", "overflow_status", "clear_overflow_status",
@@ -56,7 +57,7 @@ _since_sweep = 0
 
 def _sweep() -> None:
     """Forget CPU data whose wrapper storage nothing but this registry holds any more."""
-    use_count = torch._C._storage_Use_Count
+    use_count = storage_use_count
     for key in [k for k in _RAWS if use_count(k) <= 1]:
         raw = _RAWS.pop(key)[0]
         _STATE["allocated"] -= raw.numel() * raw.element_size()
@@ -64,7 +65,7 @@ def _sweep() -> None:
 
 def _wrap(raw: torch.Tensor) -> torch.Tensor:
     global _since_sweep
-    out = torch._C._acc.create_empty_tensor(list(raw.shape), raw.dtype)
+    out = accelerator_extension.create_empty_tensor(list(raw.shape), raw.dtype)
     storage = out.untyped_storage()
     _RAWS[storage._cdata] = (raw, storage)
     _STATE["allocated"] += raw.numel() * raw.element_size()
@@ -137,7 +138,7 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     for strided, copy in dense:
         strided.copy_(copy)
     if _STATE["saturation"] and to_device is not False:
-        torch.utils._pytree.tree_map(_saturate, result)
+        tree_map(_saturate, result)
     wrap_new = to_device if to_device is not None else True
 
     def wrap(x: Any) -> Any:
@@ -155,7 +156,7 @@ def _fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _all_fp32(*inputs: Any) -> bool:
-    floats = [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    floats = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return bool(floats) and all(t.dtype == torch.float32 for t in floats)
 
 
@@ -190,7 +191,7 @@ def _aliases(out: torch.Tensor, *inputs: Any) -> bool:
     ptr = out.untyped_storage().data_ptr()
     return any(
         isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() == ptr
-        for t in torch.utils._pytree.tree_leaves(inputs)
+        for t in tree_leaves(inputs)
     )
 
 
@@ -220,8 +221,8 @@ def _intercepted_ops() -> list[str]:
     are included too. CompositeImplicit ops decompose into these and need nothing.
     """
     names = []
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    for qualified in torch._C._dispatch_get_all_op_names():
+    has = dispatch_has_kernel_for_dispatch_key
+    for qualified in dispatch_get_all_op_names():
         if not qualified.startswith("aten::") or has(qualified, "CompositeImplicitAutograd"):
             continue
         name, _, overload = qualified[len("aten::"):].partition(".")
@@ -454,7 +455,7 @@ def install(
                 "renamed once per process, so run tests for another name in a subprocess"
             )
         return getattr(torch, name)
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    from ..torch_private import setup_privateuseone_for_python_backend as _setup_privateuseone_for_python_backend
 
     module = (module_class or _DeviceModule)(name, bf16, device_count)
     _STATE["saturation"] = saturation

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import amp_backends
 from amp_backends.testing import grad_op_
+from ..torch_private import amp_foreach_non_finite_check_and_unscale_
 
 
 def test_availability_and_reason(backend):
@@ -205,7 +206,7 @@ def test_unscale_gradients_of_every_training_dtype(backend, bad):
         found, ref_found = torch.zeros((), device=dev), torch.zeros(())
         inv = torch.tensor(1.0 / 64)
         grad_op_(backend, grads, found, inv.to(dev))
-        torch._amp_foreach_non_finite_check_and_unscale_(ref, ref_found, inv)
+        amp_foreach_non_finite_check_and_unscale_(ref, ref_found, inv)
         assert found.item() == ref_found.item(), dtype
         if bad is None:
             assert all(torch.equal(g.cpu(), r) for g, r in zip(grads, ref)), dtype

@@ -6,5 +6,5 @@ produced: :mod:`.produced`), the attribution of each op to the module running it
 were (:mod:`.isolation`). Used by the precision recipe (to find
 the head) and by the inspector.
 
-May import: :mod:`amp_backends.errors` and torch.
+May import: :mod:`amp_backends.patches`, :mod:`amp_backends.torch_private` and torch.
 """

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+
+from ..torch_private import current_autograd_node, current_graph_task_id, tree_leaves
 
 __all__ = ["Attribution"]
 
@@ -58,10 +59,10 @@ class Attribution(TorchFunctionMode):
 
     def where(self) -> tuple[str, bool]:
         """(module, backward) for the op running now."""
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if node is not None:
             return self.nodes.get(node, "(outside the model)"), True
-        if torch._C._current_graph_task_id() != -1:  # the engine's own work (a captured gradient's detach)
+        if current_graph_task_id() != -1:  # the engine's own work (a captured gradient's detach)
             return "(autograd)", True
         return (self.stack[-1] if self.stack else "(outside the model)"), False
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import patches
+
 __all__ = ["RngState", "call_args", "untouched"]
 
 
@@ -71,6 +73,7 @@ def untouched(model: nn.Module, device_type: str) -> Iterator[RngState]:
     global_hooks = {name: getattr(module_module, name) for name in ("_global_backward_hooks",
                                                                     "_global_backward_pre_hooks")
                     if hasattr(module_module, name)}
+    patched: list[patches.Patch] = []
     try:
         for m in modules:
             m._backward_hooks = OrderedDict()
@@ -81,19 +84,20 @@ def untouched(model: nn.Module, device_type: str) -> Iterator[RngState]:
             if getattr(p, "_post_accumulate_grad_hooks", None):
                 p._post_accumulate_grad_hooks = None
         for name in global_hooks:
-            setattr(module_module, name, OrderedDict())
+            patched.append(patches.replace(module_module, name, OrderedDict(), scope="while the model runs isolated",
+                                           cause="hooks registered for every module must not see the isolated run"))
         with torch.enable_grad():
             yield rng
     finally:
-        for name, hooks in global_hooks.items():
-            setattr(module_module, name, hooks)
+        for patch in patched:
+            patch.remove()
         for p, hooks, post in tensor_hooks:
             if hooks:
                 p._backward_hooks = hooks
             if post:
                 p._post_accumulate_grad_hooks = post
-        for m, hooks, pre in module_hooks:
-            m._backward_hooks, m._backward_pre_hooks = hooks, pre
+        for m, backward, pre in module_hooks:
+            m._backward_hooks, m._backward_pre_hooks = backward, pre
         for m, held in buffers:
             m._buffers.clear()
             m._buffers.update(held)

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from ..torch_private import DisableTorchDispatch, TorchDispatchMode, tree_leaves
 from .produced import ProducedWatch
 
 __all__ = ["ALIGN", "FORMULAS", "NonFinite", "Op", "OpRecorder"]
@@ -155,7 +154,7 @@ class OpRecorder(TorchDispatchMode):
         rows = [r for r in self._counts if r[3] == backward]
         if not rows:
             return None
-        with torch._C._DisableTorchDispatch():
+        with DisableTorchDispatch():
             counts = torch.stack([r[0].to(rows[0][0].device).reshape(()) for r in rows]).cpu()
         hits = torch.nonzero(counts).flatten()
         if not hits.numel():

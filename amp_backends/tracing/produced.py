@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+
+from ..torch_private import DisableTorchDispatch, is_traceable_wrapper_subclass, tree_leaves
 
 __all__ = ["ALLOCATING", "OVERWRITING", "ProducedWatch"]
 
@@ -165,7 +165,7 @@ class ProducedWatch:
                     pending.storages.add(id(leaf.untyped_storage()))
                 if id(leaf) not in unread and not self._is_unwritten(leaf):
                     pending.read.append(leaf)
-        with torch._C._DisableTorchDispatch():  # the watch's own ops are not the model's
+        with DisableTorchDispatch():  # the watch's own ops are not the model's
             for t in pending.read:
                 if id(t) in written:  # an in-place op's input: its value before the op
                     pending.before[id(t)] = _Input.of(t, kind.pointwise)
@@ -188,7 +188,7 @@ class ProducedWatch:
                 self._unwritten.pop(id(t.untyped_storage()), None)
         if not outputs:
             return None
-        with torch._C._DisableTorchDispatch():
+        with DisableTorchDispatch():
             inputs = [pending.before.get(id(t)) or _Input.of(t, kind.pointwise) for t in pending.read]
             count = sum(_produced(o, inputs, pending.inf_scalar, pending.nan_scalar).to(outputs[0].device)
                         for o in outputs)

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...torch_private import tensor_use_count
+
 __all__ = ["carry_hooks", "swap_in", "swap_out", "swap_reason"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
@@ -47,7 +49,7 @@ def swap_reason(param: Any) -> str | None:
                 "by FSDP2 or tensor parallelism?)")
     if weakref.getweakrefs(param):
         return "something holds a weak reference to its weight"
-    count = param._use_count()
+    count = tensor_use_count(param)
     if count > 2 or (count == 2 and not param.is_leaf):
         return "something else holds its weight's tensor (a view of it, or a wrapper such as DDP)"
     return None

@@ -34,6 +34,7 @@ from amp_backends.devices.accelerator import (
     privateuse1_name,
     process_group_backend,
 )
+from amp_backends.torch_private import amp_foreach_non_finite_check_and_unscale_
 
 __all__ = ["AcceleratorBackend"]
 
@@ -82,7 +83,7 @@ class AcceleratorBackend(Backend):
         try:
             grads = [torch.tensor([1.0, 2.0], device=dev)]
             found = torch.zeros((), device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((), 0.5, device=dev))
+            amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((), 0.5, device=dev))
             ok = grads[0].cpu().tolist() == [0.5, 1.0] and float(found.item()) == 0.0
         except Exception as exc:  # noqa: BLE001 - any failure of the op is the reason, said
             return (f"torch's unscale op (_amp_foreach_non_finite_check_and_unscale_) has no working kernel on {dev!r}: "

@@ -28,6 +28,7 @@ from amp_backends import Backend, hookimpl
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.accelerator import autocast_dtypes
 from amp_backends.errors import UnsupportedDtypeError
+from amp_backends.torch_private import amp_foreach_non_finite_check_and_unscale_
 
 __all__ = ["MPSBackend", "SCALER_TORCH"]
 
@@ -141,7 +142,7 @@ def _unscale_keeps_values(device: str) -> bool:
         try:
             grads = [torch.tensor(values, dtype=dtype, device=device)]
             found = torch.zeros((), device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((), 0.5, device=device))
+            amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((), 0.5, device=device))
             expected = (torch.tensor(values, dtype=dtype).float() * 0.5).to(dtype)
             if not torch.equal(grads[0].cpu(), expected) or float(found.item()) != 0.0:
                 return False

@@ -33,6 +33,7 @@ from amp_backends.devices import collectives as collective_libraries
 from amp_backends.extension import ExtensionBackend
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import ABSENT, HONOURS, IGNORES, SCALE_BLIND
+from amp_backends.torch_private import dispatch_has_kernel_for_dispatch_key
 
 #: ``c10_npu::SocVersion`` (torch_npu ``csrc/core/npu/NpuVariables.h``): what
 #: ``torch_npu._C._npu_get_soc_version()`` returns for the first chips with inf/NaN mode and bf16
@@ -130,7 +131,7 @@ class NPUBackend(OverflowStatus, ExtensionBackend):
         host). Read from op-plugin's source; not run on an Ascend NPU."""
         if not self.is_available() or (self._soc_version() or 0) < ASCEND950:
             return ()
-        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm", "PrivateUse1"):
+        if not dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm", "PrivateUse1"):
             return ()
         return (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from amp_backends.gradients.groups import FlatGroup
 from amp_backends.gradients.kernel import TORCH_KERNEL, add_sum_of_squares, through_float32
+from amp_backends.torch_private import amp_foreach_non_finite_check_and_unscale_
 
 from . import TritonKernel
 
@@ -369,7 +370,7 @@ def _torch_ops(
     else:  # TORCH_KERNEL's op, called as it calls it (no group to build for a list of thousands)
         if inv_scale is None:
             inv_scale = torch.ones((), dtype=torch.float32, device=found_inf.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     if norm_sq is not None:
         add_sum_of_squares(grads, norm_sq)
 
