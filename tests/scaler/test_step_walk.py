@@ -29,6 +29,7 @@ ORDER = [
     "amp_backends.gradients.executor",
     "amp_backends.gradients.kernel",
     "amp_backends.gradients.groups",
+    "amp_backends.torch_private",  # the lowest layer: torch's private ops by their recorded names
 ]
 
 
