@@ -10,7 +10,7 @@ dropout's masks and its masked outputs, the decomposed GELU's intermediates (tra
 ``NewGELUActivation``: ``pow``, ``mul``, ``add``, ``tanh``, each saved), and, where attention is not
 fused (the eager path), the attention probabilities, before and after dropout. Each block's forward
 runs under torch's selective activation checkpoint (``torch.utils.checkpoint.checkpoint`` with
-``context_fn=partial(create_selective_checkpoint_contexts, policy)``, torch >= 2.4, non-reentrant):
+``context_fn=partial(create_selective_checkpoint_contexts, policy)``, torch >= 2.5, non-reentrant):
 the outputs of the ops in ``save`` (:data:`SAVE`: matmuls, convolutions, fused attention, norms) are
 kept; every other op of the block is run again in backward from those and the block's input.
 
@@ -70,8 +70,8 @@ def unavailable_reason() -> str | None:
 
     if not all(hasattr(ckpt, n) for n in ("create_selective_checkpoint_contexts", "CheckpointPolicy")):
         return (f"selective recomputation needs torch's selective activation checkpoint "
-                f"(torch.utils.checkpoint.create_selective_checkpoint_contexts, torch >= 2.4); this is torch "
-                f"{torch.__version__}: pip install 'torch>=2.4'")
+                f"(torch.utils.checkpoint.create_selective_checkpoint_contexts and CheckpointPolicy, torch >= 2.5), "
+                f"which torch {torch.__version__} lacks: pip install 'torch>=2.5', or leave recompute off")
     return None
 
 

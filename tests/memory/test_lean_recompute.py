@@ -191,10 +191,10 @@ def test_bad_input_is_refused_with_nothing_changed() -> None:
 
 
 def test_a_torch_without_selective_checkpoint_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert unavailable_reason() is None  # this torch (>= 2.4) has it
+    assert unavailable_reason() is None  # this torch (>= 2.5) has it
     monkeypatch.delattr(torch_checkpoint, "create_selective_checkpoint_contexts")
     model = _gpt2()
-    with pytest.raises(RecomputeError, match=r"torch >= 2.4"):
+    with pytest.raises(RecomputeError, match=r"torch >= 2.5"):
         selective_recompute(model)
     assert all("forward" not in m.__dict__ for m in model.modules())
 
