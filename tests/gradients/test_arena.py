@@ -328,8 +328,8 @@ def test_bad_input_is_refused():
 
 @pytest.fixture
 def denormals():
-    """float32 denormals honoured for the test: a process that loaded code built with -ffast-math (torch
-    2.4's inductor on CPU compiles its kernels so) flushes them to zero, and 1e-45 is then 0."""
+    """float32 denormals honoured for the test: after torch 2.4's inductor has compiled a model on the CPU
+    the process flushes them to zero (seen in the torch 2.4 leg), and 1e-45 is then 0."""
     flushing = struct.unpack("f", struct.pack("f", 1e-45))[0] == 0.0
     torch.set_flush_denormal(False)
     yield
