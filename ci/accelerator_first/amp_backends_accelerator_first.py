@@ -21,8 +21,8 @@ class SimAcceleratorBackend(amp_backends.Backend):
     default_dtype = torch.bfloat16
     priority = 1000
 
-    def is_available(self) -> bool:
-        return True
+    def unavailable_reason(self) -> str | None:
+        return None  # always available: it stands in for an accelerator's ranking
 
 
 @amp_backends.hookimpl
