@@ -25,9 +25,12 @@ import torch.utils._foreach_utils  # noqa: F401  # resolved below: imported so t
 import torch.utils._python_dispatch  # noqa: F401  # resolved below
 import torch.utils._pytree  # noqa: F401  # resolved below
 
-#: The releases every entry below was resolved on, with the tests that use it passing (CPU build, this
-#: repository's suite for the modules named in each entry).
-CHECKED = ("2.13.0",)
+#: The releases the entries below were resolved on, with the tests that use them passing (the CI legs:
+#: torch 2.4.0 and 2.14.1, CUDA builds run on the CPU; 2.13.0, the CPU build); an entry a release lacks
+#: names the others only (``checked_on``), and its fallback applies there.
+CHECKED = ("2.4.0", "2.13.0", "2.14.1")
+#: The releases after 2.4 checked: where an entry first appeared after torch 2.4.0.
+AFTER_2_4 = ("2.13.0", "2.14.1")
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,9 @@ NAMES: dict[str, Private] = {}
 _RESOLVED: dict[str, Any] = {}
 
 
-def _entry(path: str, fallback: str, *, lazy: bool = False) -> Any:
+def _entry(path: str, fallback: str, *, lazy: bool = False, checked_on: tuple[str, ...] = CHECKED) -> Any:
     """Record ``path``; its object now (None where missing), or, ``lazy``, the path for :func:`resolve`."""
-    NAMES[path] = Private(path, fallback, lazy=lazy)
+    NAMES[path] = Private(path, fallback, checked_on, lazy=lazy)
     return path if lazy else resolve(path)
 
 
@@ -152,14 +155,16 @@ DispatchKeySet = _entry("torch._C.DispatchKeySet", "none: as DispatchKey")
 ExcludeDispatchKeyGuard = _entry("torch._C._ExcludeDispatchKeyGuard", "none: as DispatchKey")
 setup_privateuseone_for_python_backend = _entry(
     "torch.utils.backend_registration._setup_privateuseone_for_python_backend",
-    "none: the simulated device (amp_backends.testing) is refused on a torch without it")
-accelerator_extension = _entry("torch._C._acc", "none: the simulated device is refused on a torch without it (2.8+)")
+    "none: the simulated device (amp_backends.testing) is refused on a torch without it", checked_on=AFTER_2_4)
+accelerator_extension = _entry("torch._C._acc", "none: the simulated device is refused on a torch without it (2.8+)",
+                               checked_on=AFTER_2_4)
 
 # -- distributed: FSDP2 before its public path ---------------------------------------------------------
 COMPOSABLE_FSDP = _entry("torch.distributed._composable.fsdp", "torch.distributed.fsdp, fully_shard's public home from "
                          "2.6 (taken first); FSDP2 refused where neither exists", lazy=True)
 FSDP_REDUCE_SCATTER = _entry("torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter",
-                             "none: dividing before a SUM reduce-scatter is not offered (fully_shard's own ops run)", lazy=True)
+                             "none: dividing before a SUM reduce-scatter is not offered (fully_shard's own ops run)", lazy=True,
+                             checked_on=AFTER_2_4)
 
 
 @dataclass(frozen=True)
