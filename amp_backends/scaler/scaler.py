@@ -210,11 +210,11 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
             if not self._check_finite:
                 return None
             found, _ = self._grads.run(optimizer, None, torch.zeros(()), True)
-            return bool(found) and bool(sum_on(found, next(iter(found))).item() > 0)
+            return bool(found) and steps.found_any(found)
         state = PerOptimizerState(self, optimizer)
         if state.stage is OptState.READY or not state.found:
             return None
-        return bool(sum_on(state.found, next(iter(state.found))).item() > 0)
+        return steps.found_any(state.found)
 
     # -- clipping -------------------------------------------------------------------------
     @eager
