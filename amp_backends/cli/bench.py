@@ -244,7 +244,7 @@ def _fit(be: Backend, name: str, size: str, batch: int, make: Callable[[int], An
                 raise
             batch //= 2
             if be.device_type != "cpu":
-                getattr(torch, be.device_type).empty_cache()
+                be.empty_cache()
 
 
 def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str = "auto", rounds: int | None = None,

@@ -26,17 +26,18 @@ ROUND_SECONDS = 0.2
 MIN_STEPS_PER_ROUND, MAX_STEPS_PER_ROUND = 3, 16
 
 
-def peak_memory(be: Backend, step: Callable[[], None]) -> tuple[int, str]:
+def peak_memory(be: Backend, step: Callable[[], None], baseline: int = 0) -> tuple[int, str]:
     """Peak bytes of one step whose model and optimizer are the only ones alive: the allocator's peak where
-    the device keeps one (after a first step has made the optimizer's state), else the ledger's (every
-    storage live at the step's peak)."""
+    the device keeps one (after a first step has made the optimizer's state), above ``baseline`` (what
+    was allocated before the step's model was built), else the ledger's (every storage live at the
+    step's peak)."""
     step()  # the optimizer's state exists from here, as in every later step
     be.synchronize()
     be.reset_peak_memory_stats()
     if be.max_memory_allocated() is not None:
         step()
         be.synchronize()
-        return int(be.max_memory_allocated() or 0), peak_kind(True)
+        return int(be.max_memory_allocated() or 0) - baseline, peak_kind(True)
     model, optimizer = step.model, step.optimizer  # type: ignore[attr-defined]
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     masters = list(getattr(optimizer, "masters", {}).values())
@@ -59,6 +60,8 @@ def memory_alone(be: Backend, name: str, size: str, batch: int, mode: Mode) -> t
         from .bench_fp8 import make_fp8_steps
 
         spec = MODELS[name]
+        free(be)
+        baseline = be.memory_allocated() or 0
         torch.manual_seed(0)
         model = spec.build(size).to(be.device())
         data = spec.batch(size, be.device(), batch)
@@ -67,11 +70,11 @@ def memory_alone(be: Backend, name: str, size: str, batch: int, mode: Mode) -> t
         if mode.name not in steps:
             return 0, "-"
         try:
-            return peak_memory(be, steps[mode.name])
+            return peak_memory(be, steps[mode.name], baseline)
         finally:
             del steps
             free(be)
-    report, allocator = measure_alone(be, name, size, batch, "fp32" if mode.name == "tf32" else mode.name)
+    report, allocator, _ = measure_alone(be, name, size, batch, "fp32" if mode.name == "tf32" else mode.name)
     if allocator is not None:
         return allocator, peak_kind(True)
     return report.peak, peak_kind(False)
@@ -80,7 +83,7 @@ def memory_alone(be: Backend, name: str, size: str, batch: int, mode: Mode) -> t
 def free(be: Backend) -> None:
     gc.collect()
     if be.device_type != "cpu":
-        getattr(torch, be.device_type).empty_cache()
+        be.empty_cache()
 
 
 def step_timer(be: Backend) -> tuple[Callable[[Callable[[], None], int], float], str]:

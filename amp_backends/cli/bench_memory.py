@@ -23,7 +23,7 @@ import importlib.util
 import json
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,7 +38,8 @@ from ..memory.recompute import find_blocks
 from ..memory.ledger import PARTS, Ledger, MemoryReport
 from .bench_models import MODELS
 
-__all__ = ["LEAN_HEADS", "ledger_modes", "loss_after", "main", "measure_alone", "peak_kind", "memory_rows", "render_memory", "setup_for"]
+__all__ = ["LEAN_HEADS", "LEFT_BEHIND_MARGIN", "Alone", "ledger_modes", "loss_after", "main", "measure_alone",
+           "peak_kind", "memory_rows", "render_memory", "setup_for"]
 
 #: The LM head of a bench model, where it has one (its logits are the largest tensors of the step).
 LEAN_HEADS = {name: spec.lm_head for name, spec in MODELS.items() if spec.lm_head}
@@ -145,25 +146,51 @@ def peak_kind(allocator: bool) -> str:
     return "allocator peak (this mode alone)" if allocator else "ledger peak (every storage; this mode alone)"
 
 
-def measure_alone(be: Backend, name: str, size: str, batch: int | None, mode: str) -> tuple[MemoryReport, int | None]:
+#: Bytes a mode may leave allocated after its model and optimizer are dropped before the bench warns (the
+#: allocator's own rounding of a few small tensors a library caches, e.g. a device RNG state)
+LEFT_BEHIND_MARGIN = 1 << 20
+
+
+class Alone(NamedTuple):
+    """One mode measured alone: the ledger's report; on an accelerator the allocator's peak above what was
+    allocated before the mode began (else None), and what stayed allocated after it ended (0 on a CPU)."""
+
+    report: MemoryReport
+    allocator: int | None
+    left_behind: int
+
+
+def measure_alone(be: Backend, name: str, size: str, batch: int | None, mode: str) -> Alone:
     """The ledger of one training step of bench model ``name`` in ``mode``, with that mode's own model
     and optimizer the only ones alive (on fake tensors on a CPU, for real on an accelerator), and on an
-    accelerator the allocator's peak over the counted steps (None on a CPU). Everything the steps made
-    is freed before it returns."""
+    accelerator the allocator's peak over the counted steps, counted from what was allocated before the
+    mode began: whatever an earlier mode left behind is not this mode's. Everything the steps made is
+    freed before it returns; what stays allocated on the device after that is returned, and warned of
+    above :data:`LEFT_BEHIND_MARGIN` (a reference kept to the mode's model or optimizer)."""
     fake = be.device_type == "cpu"
-    allocator = None
     gc.collect()
+    before = 0
     if not fake:
-        getattr(torch, be.device_type).empty_cache()
+        be.empty_cache()
         be.synchronize()
+        before = be.memory_allocated() or 0
         be.reset_peak_memory_stats()
     with _eager_torchao() if mode.endswith("-sr") and fake else contextlib.nullcontext():
         report = measure(setup_for(be, name, size, batch, mode, fake=fake), fake=fake)
-    if not fake:
-        be.synchronize()
-        allocator = be.max_memory_allocated()
+    if fake:
+        gc.collect()
+        return Alone(report, None, 0)
+    be.synchronize()
+    allocator = (be.max_memory_allocated() or 0) - before
     gc.collect()
-    return report, allocator
+    be.empty_cache()
+    left = (be.memory_allocated() or 0) - before
+    if left > LEFT_BEHIND_MARGIN:
+        warnings.warn(f"bench --memory: {name} in {mode} left {left / 2**20:,.1f} MiB allocated on {be.name} after "
+                      f"its model and optimizer were dropped (something still holds them); the rows after it are "
+                      f"counted from what is allocated when each begins, so their peaks leave it out",
+                      RuntimeWarning, stacklevel=2)
+    return Alone(report, allocator, max(left, 0))
 
 
 def memory_rows(be: Backend, models: Sequence[str], size: str = "full", scale: float = 1.0,
@@ -185,7 +212,7 @@ def memory_rows(be: Backend, models: Sequence[str], size: str = "full", scale: f
             if why_not is not None:
                 rows.append({**row, "memory": None, "saving_vs_fp32": None, "unavailable": why_not})
                 continue
-            report, allocator = measure_alone(be, name, size, batch, mode)
+            report, allocator, left = measure_alone(be, name, size, batch, mode)
             peak = report.peak if allocator is None else allocator  # the allocator's, where the device keeps one
             fp32_peak = peak if mode == "fp32" else fp32_peak
             memory = {k: report.parts[k] for k in PARTS if k != "other"}
@@ -193,6 +220,7 @@ def memory_rows(be: Backend, models: Sequence[str], size: str = "full", scale: f
                           activations_by_dtype=report.activations_by_dtype, peak_phase=report.phase)
             if allocator is not None:
                 memory["allocator_peak"] = allocator
+                memory["left_behind"] = left
             row.update(memory=memory, peak_bytes=peak, peak_kind=peak_kind(allocator is not None),
                        saving_vs_fp32=(1 - peak / fp32_peak) if fp32_peak else None)
             rows.append(row)

@@ -307,6 +307,22 @@ class Device(ABC):
         found, value = accelerator.memory_call(self.device_type, "max_memory_allocated")
         return int(value) if found else None  # type: ignore[call-overload]  # the accelerator's answer is an int where found
 
+    def memory_allocated(self) -> int | None:
+        """Bytes the device's allocator holds for tensors now, or None where the device does not track it."""
+        query = getattr(self._device_module(), "memory_allocated", None)
+        if callable(query):
+            return int(query())
+        found, value = accelerator.memory_call(self.device_type, "memory_allocated")
+        return int(value) if found else None  # type: ignore[call-overload]  # the accelerator's answer is an int where found
+
+    def empty_cache(self) -> None:
+        """Give the allocator's cached, unused blocks back to the device, where it keeps such a cache."""
+        release = getattr(self._device_module(), "empty_cache", None)
+        if callable(release):
+            release()
+        else:
+            accelerator.memory_call(self.device_type, "empty_cache")
+
     def reset_peak_memory_stats(self) -> None:
         """Start a new peak-memory measurement, where the device tracks one."""
         reset = getattr(self._device_module(), "reset_peak_memory_stats", None)

@@ -6,7 +6,8 @@ How it counts: a ``TorchDispatchMode`` sees every op's outputs; each new storage
 dtype, the op that made it) and a ``weakref.finalize`` on the storage, which fires when its memory is
 released (storages keep their Python object alive as long as their memory lives, so views, autograd's
 saved tensors and ``.data`` all keep it). A ``saved_tensors_hooks`` pair marks what autograd saves for
-backward. Storages that exist before the step (parameters, buffers, inputs, optimizer state) are
+backward (and :func:`kept_for_backward` what a selective checkpoint keeps instead, inside its blocks,
+where its own hooks take autograd's over). Storages that exist before the step (parameters, buffers, inputs, optimizer state) are
 registered first. The peak is the largest sum of live storages; what was live at that moment is rebuilt
 from the records. Nothing here computes with the tensors: under ``FakeTensorMode`` a full-size model's
 step is counted on any machine (:mod:`.fake`). Memory the dispatcher never sees (a library's scratch
@@ -29,7 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..torch_private import TorchDispatchMode, tree_leaves
 
-__all__ = ["PARTS", "Ledger", "MemoryReport"]
+__all__ = ["PARTS", "Ledger", "MemoryReport", "counting", "kept_for_backward"]
 
 #: The parts of training memory, as the bench and ``check_model`` report them.
 PARTS = ("parameters", "gradients", "optimizer", "master", "weight_copies", "activations", "other")
@@ -66,6 +67,25 @@ class MemoryReport:
                 "activations_by_dtype": dict(self.activations_by_dtype), "phase": self.phase}
 
 
+#: The ledgers counting now (entered, not yet left), outermost first.
+_COUNTING: list[Ledger] = []
+
+
+def counting() -> bool:
+    """Whether a ledger is counting now (code that tells it things asks first: nothing to do otherwise)."""
+    return bool(_COUNTING)
+
+
+def kept_for_backward(op: Any) -> None:
+    """Tell the counting ledgers that the outputs of a call of ``op`` are kept for backward by something
+    other than autograd's saved-tensor hooks (a selective checkpoint's cache of outputs, which takes those
+    hooks over inside its blocks): they are counted as activations, not as "other". Said just after the
+    call (the outputs of the op that ran last, where it is ``op`` and not told of yet) or just before it
+    (the next op's, where it is ``op``): torch's checkpoint asks its policy after running the op."""
+    for ledger in _COUNTING:
+        ledger._kept(op)
+
+
 class Ledger(TorchDispatchMode):
     """Counts storages through whatever runs inside it (see the module docstring).
 
@@ -91,6 +111,28 @@ class Ledger(TorchDispatchMode):
         self._phase_at: list[tuple[int, str]] = []
         self._params: set[int] = set()
         self._stack: list[str] = []
+        self._kept_next: Any = None
+        #: the op that ran last, its outputs' records, and whether they were told of as kept
+        self._last: tuple[Any, list[_Record], bool] = (None, [], False)
+
+    def __enter__(self) -> Ledger:
+        _COUNTING.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self in _COUNTING:
+            _COUNTING.remove(self)
+        self._kept_next, self._last = None, (None, [], False)
+        super().__exit__(*exc)
+
+    def _kept(self, op: Any) -> None:
+        last, records, told = self._last
+        if last is op and not told:
+            for record in records:
+                self._mark_saved(record)
+            self._last = (last, records, True)
+        else:
+            self._kept_next = op
 
     # -- counting --------------------------------------------------------------------------
     def _record(self, tensor: torch.Tensor, op: str) -> _Record:
@@ -122,16 +164,27 @@ class Ledger(TorchDispatchMode):
                 self._record(t, "existing")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kept, self._kept_next = self._kept_next is func, None
         out = func(*args, **(kwargs or {}))
         clock = self._clock
         copy_of_param = (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
                          and id(self._by_storage.get(args[0].untyped_storage())) in self._params)
+        records = []
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 record = self._record(t, func.__name__)
                 if copy_of_param and record.born > clock:
                     record.from_param = True
+                if kept:
+                    self._mark_saved(record)
+                records.append(record)
+        self._last = (func, records, kept)
         return out
+
+    def _mark_saved(self, record: _Record) -> None:
+        if not record.saved:
+            record.saved_in = self._stack[-1] if self._stack else ""
+        record.saved = True
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -141,9 +194,7 @@ class Ledger(TorchDispatchMode):
         def pack(t: torch.Tensor) -> torch.Tensor:
             record = self._by_storage.get(t.untyped_storage())
             if record is not None:
-                if not record.saved:
-                    record.saved_in = self._stack[-1] if self._stack else ""
-                record.saved = True
+                self._mark_saved(record)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -39,6 +39,7 @@ from torch import nn
 from .. import patches
 from ..errors import AmpBackendsError
 from ..torch_private import OpOverload, OpOverloadPacket
+from .ledger import counting, kept_for_backward
 
 __all__ = ["SAVE", "Recompute", "RecomputeError", "find_blocks", "selective_recompute", "unavailable_reason"]
 
@@ -110,6 +111,8 @@ def _policy(save: frozenset[Any]) -> Callable[..., Any]:
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         if op in save or getattr(op, "overloadpacket", None) in save:
+            if counting() and not ctx.is_recompute:  # kept: the ledger counts its outputs as activations
+                kept_for_backward(op)
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -144,10 +147,14 @@ class Recompute:
         self._context = functools.partial(create_selective_checkpoint_contexts, _policy(save))
         self._patches: list[patches.Patch] = []
         for block in self.blocks:
+            wrapper = self._wrap(block.forward)
+            # the handle lives as long as a block runs its wrapper (a cycle through the block, collectable),
+            # so remove() stays reachable however the handle itself is kept
+            wrapper.recompute = self  # type: ignore[attr-defined]
             self._patches.append(patches.replace(
-                block, "forward", self._wrap(block.forward), scope="until Recompute.remove()",
+                block, "forward", wrapper, scope="until Recompute.remove()",
                 cause="the block's forward runs under selective checkpointing, its cheap ops recomputed in backward"))
-            _ON[block] = self
+            _ON[block] = weakref.ref(self)
 
     def _wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         from torch.utils.checkpoint import checkpoint
@@ -172,7 +179,8 @@ class Recompute:
     def remove(self) -> None:
         """Each block's forward as it was (idempotent)."""
         for block, patch in zip(self.blocks, self._patches):
-            if _ON.get(block) is not self:
+            mark = _ON.get(block)
+            if mark is None or mark() is not self:
                 continue
             patch.remove()
             del _ON[block]
@@ -182,8 +190,10 @@ class Recompute:
         return f"Recompute({len(self.blocks)} blocks: {', '.join(kinds)})"
 
 
-#: block -> the Recompute wrapping it (twice on one block is refused)
-_ON: weakref.WeakKeyDictionary[nn.Module, Recompute] = weakref.WeakKeyDictionary()
+#: block -> a weak reference to the Recompute wrapping it (twice on one block is refused). Weak both ways:
+#: a Recompute holds its blocks, and a value holding its own key would keep the block, its model and
+#: whatever hooks on the model hold (an optimizer, its state) alive for the rest of the process
+_ON: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Recompute]] = weakref.WeakKeyDictionary()
 
 
 def selective_recompute(model: nn.Module, *, save: Iterable[Any] = SAVE,

@@ -25,6 +25,7 @@ from torch import nn
 
 from .. import patches
 from ..eager import eager
+from ..torch_private import DisableTorchDispatch
 
 __all__ = ["LowPrecisionSaves", "autocast_runs_in_fp32", "low_precision_saves"]
 
@@ -35,7 +36,14 @@ _LOW = (torch.float16, torch.bfloat16)
 @functools.lru_cache(maxsize=None)
 def autocast_runs_in_fp32(device_type: str, dtype: torch.dtype, op: str) -> bool:
     """Whether ``device_type``'s autocast in ``dtype`` runs ``op`` ("layer_norm", "group_norm",
-    "softmax", "log_softmax") in float32 on a ``dtype`` input (asked of torch on a small tensor)."""
+    "softmax", "log_softmax") in float32 on a ``dtype`` input (asked of torch on a small tensor, unseen by
+    the dispatch modes around the call: asked first inside a block under selective recomputation, whose
+    cache of saved outputs is keyed by op and order, the probe's ops would be taken for the block's)."""
+    with DisableTorchDispatch():
+        return _runs_in_fp32(device_type, dtype, op)
+
+
+def _runs_in_fp32(device_type: str, dtype: torch.dtype, op: str) -> bool:
     x = torch.ones(2, 4, dtype=dtype, device=device_type)
     with torch.autocast(device_type, dtype=dtype):
         if op == "layer_norm":

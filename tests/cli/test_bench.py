@@ -18,6 +18,8 @@ from amp_backends.cli import bench
 from amp_backends.cli.bench_memory import memory_rows
 from amp_backends.cli.bench_models import MODELS, Bert, Mode, _classify, param_count
 
+from sim_marks import needs_sim_device
+
 HF = pytest.mark.skipif("hf-gpt2" not in MODELS, reason="needs transformers")
 
 #: ops that make a new tensor (the allocations a step makes besides its ops' outputs)
@@ -106,6 +108,56 @@ def test_each_modes_memory_is_its_own_and_equals_bench_memorys():
     rec = many["recommendation"][0]
     assert rec["mem_saving_pct"] == {m: v for m, v in saving.items() if m != "fp32" and not m.startswith("torch-")}
     assert rec["mem_saving_pct"]["lean-bf16"] == pytest.approx(100 * (1 - peak["lean-bf16"] / peak["fp32"]))
+
+
+_LEFT_BEHIND = """
+import json, warnings, torch, amp_backends
+from amp_backends.cli import bench_memory
+from amp_backends.cli.bench_measure import memory_alone
+from amp_backends.cli.bench_models import Mode
+be = amp_backends.get("mlu")
+alone = bench_memory.measure_alone(be, "mlp", "small", None, "amp-float16")
+kept = []
+made = bench_memory.setup_for
+def keeping(*args, **kwargs):  # a mode whose model and optimizer something keeps after it ends
+    make = made(*args, **kwargs)
+    return lambda: kept.append(make()) or kept[-1]
+bench_memory.setup_for = keeping
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    leaking = bench_memory.measure_alone(be, "mlp", "small", None, "amp-float16")
+bench_memory.setup_for = made
+setup = kept[0]
+held = sum(t.numel() * t.element_size() for t in [*setup.model.parameters(), *[p.grad for p in setup.model.parameters()],
+                                                  *setup.optimizer_state()])
+after = bench_memory.measure_alone(be, "mlp", "small", None, "amp-float16")
+rows = bench_memory.memory_rows(be, ["mlp"], size="small", modes=("amp-float16",))
+print(json.dumps({"alone": alone.allocator, "alone_left": alone.left_behind, "leaking": leaking.allocator,
+                  "left": leaking.left_behind, "held": held, "after": after.allocator, "after_left": after.left_behind,
+                  "time_bench": memory_alone(be, "mlp", "small", rows[-1]["batch"], Mode("amp-float16", "amp", torch.float16))[0],
+                  "row": rows[-1]["memory"]["allocator_peak"], "row_left": rows[-1]["memory"]["left_behind"],
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+@needs_sim_device
+def test_on_an_allocator_each_mode_counts_from_what_it_finds_and_what_it_leaves_is_warned_of():
+    """On a device with an allocator (the simulated "mlu": every storage counted) a mode's peak is counted
+    from what was allocated when it began: a mode whose model and optimizer something keeps after it ends
+    is warned of, naming it and the bytes it left (its parameters, gradients and optimizer state), and
+    the next mode measures what it measures alone, in ``bench --memory`` and in the time bench."""
+    from amp_backends.testing import sim_packages_path
+
+    from conftest import run_json
+
+    out = run_json(_LEFT_BEHIND, [sim_packages_path("mlu")], {"AMP_SIM_MLU_CHIP": "MLU590"})
+    assert out["alone_left"] == 0 and out["after_left"] == 0 and out["row_left"] == 0
+    assert out["alone"] > out["held"] > 0
+    assert out["left"] >= out["held"], "what the kept model and optimizer hold is reported as left behind"
+    assert len(out["warnings"]) == 1 and "mlp in amp-float16 left" in out["warnings"][0]
+    assert f"{out['left'] / 2**20:,.1f} MiB" in out["warnings"][0]
+    for later in ("after", "row", "time_bench", "leaking"):  # nothing the earlier mode left is counted
+        assert abs(out[later] - out["alone"]) <= 1024, (later, out)
 
 
 # -- rounds and verdicts ----------------------------------------------------------------------------

@@ -239,3 +239,88 @@ def test_memory_lean_refuses_recompute_without_blocks_with_nothing_changed() -> 
         memory_lean(model, torch.optim.AdamW(model.parameters()), backend="cpu", weights=torch.bfloat16, recompute=True)
     assert model[0].weight.dtype == torch.float32 and "forward" not in model[1].__dict__
     memory_lean(model, torch.optim.AdamW(model.parameters()), backend="cpu", weights=torch.bfloat16).remove()
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every distinct CPU storage a live tensor holds, counted through the garbage collector."""
+    import gc
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        # plain tensors only: fake ones other tests left to the collector have no data pointer
+        if type(obj) in (torch.Tensor, nn.Parameter) and obj.device.type == "cpu" and not obj.is_meta:
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("through", ["selective_recompute", "memory_lean"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_a_recomputed_model_dropped_frees_itself_and_its_optimizer(kind: str, through: str) -> None:
+    """Its mark on the blocks is weak both ways: a model trained with recomputation and then dropped,
+    with its handle and optimizer, is collected, and every storage it held (parameters, gradients,
+    the optimizer's state, masters) with it; the handle stays reachable from the blocks while they
+    run recomputed, so remove() works however the handle is kept."""
+    import gc
+    import weakref
+
+    import amp_backends
+    from amp_backends.memory import memory_lean
+
+    before = _live_tensor_bytes()
+    model = BUILD[kind]().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if through == "memory_lean":
+        lean = memory_lean(model, opt, backend=amp_backends.get("cpu"), weights=torch.bfloat16, recompute=True)
+        step_opt: object = lean.optimizer
+    else:
+        handle = selective_recompute(model)
+        step_opt = opt
+    for _ in range(2):
+        step_opt.zero_grad()  # type: ignore[attr-defined]
+        _step(kind, model, amp=True)
+        step_opt.step()  # type: ignore[attr-defined]
+    held = _live_tensor_bytes() - before
+    assert held >= 3 * sum(p.numel() * p.element_size() for p in model.parameters()), "parameters, grads, moments"
+    alive = [weakref.ref(model), weakref.ref(opt), weakref.ref(step_opt)]
+    if through == "selective_recompute":
+        blocks = find_blocks(model)
+        assert all(b.forward.recompute is handle for b in blocks)
+        del handle
+        gc.collect()
+        blocks[0].forward.recompute.remove()  # the handle dropped by the caller: still reachable, still undoes
+        assert all("forward" not in b.__dict__ for b in blocks)
+        del blocks
+    else:
+        del lean
+    del model, opt, step_opt
+    gc.collect()
+    assert [r() for r in alive] == [None, None, None], "the model and its optimizer outlive every reference to them"
+    assert _live_tensor_bytes() - before <= 4096, "storages of the dropped model or optimizer are still alive"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_the_first_step_in_a_fresh_process_is_bitwise_the_plain_lean_step(kind: str) -> None:
+    """The low-precision saves ask the device once per process, on their first call, whether autocast
+    runs a norm in float32. In GPT-2 that first call is inside a recomputed block: the question's own
+    ops must not reach the selective checkpoint, whose cache of saved outputs is matched to the ops by
+    order (the probe's layer_norm taken for the block's, the recomputation fed its [2, 4] output). With
+    the answer forgotten (a fresh process), the first lean step with recomputation is bitwise the lean
+    step without it."""
+    import amp_backends
+    from amp_backends.memory import memory_lean
+    from amp_backends.memory.saves import autocast_runs_in_fp32
+
+    runs = []
+    for recompute in (False, True):
+        autocast_runs_in_fp32.__wrapped__.cache_clear()  # type: ignore[attr-defined]  # as in a fresh process
+        model = BUILD[kind]().train()
+        lean = memory_lean(model, torch.optim.AdamW(model.parameters()), backend=amp_backends.get("cpu"),
+                           weights=torch.bfloat16, recompute=recompute)
+        step = _step(kind, model, amp=True)
+        lean.optimizer.step()
+        runs.append((step, [p.detach().clone() for p in model.parameters()]))
+        lean.remove()
+    _bitwise(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

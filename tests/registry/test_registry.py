@@ -32,6 +32,8 @@ def test_cpu_backend_contract(no_amp_env):
     assert be.is_available() and be.unavailable_reason() is None
     assert be.device() == torch.device("cpu") and be.device(0) == torch.device("cpu", 0)
     assert be.max_memory_allocated() is None  # the CPU keeps no peak-memory counter
+    assert be.memory_allocated() is None
+    be.empty_cache()  # nothing cached: a no-op, not an error
     be.synchronize()
 
 
