@@ -2,8 +2,9 @@
 
 Owns the ledger of a training step (:mod:`.ledger`), counted without arithmetic on fake tensors
 (:mod:`.fake`), and memory-lean mixed precision (:mod:`.lean`): low-precision saves for float32 ops
-(:mod:`.saves`), the LM head's lazy logits (:mod:`.chunked_loss`) and its loss fused a block of rows at
-a time with the gradients made in the forward (:mod:`.fused_loss`), low-precision weights with float32
+(:mod:`.saves`), GELUs written out in Python run as one fused op (:mod:`.activations`), the LM head's
+lazy logits (:mod:`.chunked_loss`) and its loss fused a block of rows at a time with the gradients made
+in the forward (:mod:`.fused_loss`), low-precision weights with float32
 masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (:mod:`.recompute`),
 torchao's per-parameter compiled step with its compile wrapper built once (:mod:`.compile_once`).
 
@@ -14,6 +15,7 @@ May import: :mod:`amp_backends.precision`, :mod:`amp_backends.backend`, :mod:`am
 
 from __future__ import annotations
 
+from .activations import FusedActivations, fused_activations
 from .chunked_loss import LazyHeadError, LazyLogits, head_lever_refusal, lazy_head
 from .compile_once import compile_once
 from .fused_loss import linear_cross_entropy
@@ -23,6 +25,6 @@ from .master import MasterWeights
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import low_precision_saves
 
-__all__ = ["PARTS", "LazyHeadError", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights", "MemoryReport",
-           "Recompute", "RecomputeError", "compile_once", "head_lever_refusal", "lazy_head", "linear_cross_entropy",
-           "low_precision_saves", "memory_lean", "selective_recompute"]
+__all__ = ["PARTS", "FusedActivations", "LazyHeadError", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights",
+           "MemoryReport", "Recompute", "RecomputeError", "compile_once", "fused_activations", "head_lever_refusal",
+           "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean", "selective_recompute"]

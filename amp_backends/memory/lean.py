@@ -7,6 +7,9 @@ Each lever is on its own switch and usable alone:
 
 - ``recompute``: the model's transformer blocks recompute their cheap elementwise ops (dropout,
   activations, softmax) in backward instead of saving their outputs (:mod:`.recompute`);
+- ``activations`` (default on): GELUs written out in Python (transformers' ``gelu_new``, GPT-2's) run
+  as ``F.gelu``, saving one tensor for backward instead of four (:mod:`.activations`; the same
+  function, rounded once instead of at every op of the chain);
 - ``saves`` (default on): norms and softmax that autocast runs in float32 keep a low-precision input
   for backward (exact; :mod:`.saves`);
 - ``lm_head``: the LM head's logits are never made whole; cross-entropy over them runs a block of rows
@@ -40,6 +43,7 @@ from ..precision.fp8.engine import is_fp8
 from ..precision.policy import fp32_modules
 from ..precision.selectors import NORM_TYPES
 from ..registry.registry import resolve_backend
+from .activations import FusedActivations, fused_activations
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
 from .compile_once import compile_once, uses_compile_per_call
 from .master import LOW_PRECISION, MasterWeights
@@ -70,11 +74,12 @@ class Lean:
 
     def __init__(self, model: nn.Module, optimizer: Any, lowered: list[nn.Parameter], kept: dict[str, str],
                  saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None,
-                 recompute: Recompute | None = None) -> None:
+                 recompute: Recompute | None = None, activations: FusedActivations | None = None) -> None:
         self.model, self.optimizer, self.weights = model, optimizer, weights
         #: parameter name -> why it stayed float32 (of those the optimizer trains)
         self.kept = kept
         self._lowered, self._saves, self._head, self._recompute = lowered, saves, head, recompute
+        self._activations = activations
 
     @property
     def masters(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -118,6 +123,9 @@ class Lean:
         where kept, goes on stepping it as it is, its state untouched."""
         if self._saves is not None:
             self._saves.remove()
+        if self._activations is not None:
+            self._activations.remove()
+            self._activations = None
         if self._head is not None:
             undo_lazy_head(self._head)
         if self._recompute is not None:
@@ -150,7 +158,8 @@ class Lean:
                  if self._lowered and not self.masters else "",
                  "lm head fused" if self._head is not None else "",
                  f"{len(self._recompute.blocks)} blocks recompute cheap ops" if self._recompute is not None else "",
-                 f"low-precision saves on {len(self._saves.modules)} modules" if self._saves else ""]
+                 f"low-precision saves on {len(self._saves.modules)} modules" if self._saves else "",
+                 f"{len(self._activations.modules)} GELUs fused" if self._activations else ""]
         return f"<Lean {'; '.join(p for p in parts if p) or 'off'}>"
 
 
@@ -246,11 +255,12 @@ def _submodule(model: nn.Module, name: str) -> nn.Module:
 
 def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, backend: Any = None,
                 weights: torch.dtype | str | None = None, master: bool = True, lm_head: str | nn.Module | None = None,
-                saves: bool = True, recompute: bool | list[nn.Module] = False) -> Lean:
+                saves: bool = True, recompute: bool | list[nn.Module] = False, activations: bool = True) -> Lean:
     """Turn on the memory levers of mixed precision for ``model`` (see the module docstring); returns
     the handle whose ``optimizer`` the training loop uses. Everything is checked before anything changes.
     ``recompute``: True (the model's repeated blocks, found) or the blocks: their cheap elementwise ops
-    (dropout, activations, softmax) recomputed in backward (:mod:`.recompute`)."""
+    (dropout, activations, softmax) recomputed in backward (:mod:`.recompute`). ``activations``: GELUs
+    written out in Python run as ``F.gelu`` (:mod:`.activations`)."""
     weights, head = _check(model, optimizer, weights, master, lm_head, backend)
     again = None
     if recompute is not False:
@@ -285,8 +295,9 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         elif uses_compile_per_call(optimizer):  # torchao's per-parameter compiled update: its wrapper built once
             compile_once(optimizer)
     low = low_precision_saves(model) if saves else None
+    fused = fused_activations(model) if activations else None
     if head is not None:
         lazy_head(head)
-    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again)
+    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused)
     _ON[model] = True
     return lean
