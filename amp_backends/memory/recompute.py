@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -134,6 +135,42 @@ def _without_cache(signature: inspect.Signature, args: tuple[Any, ...],
     return (bound.args, bound.kwargs) if changed else (args, kwargs)
 
 
+class _Recomputed:
+    """A block's forward run under the selective checkpoint (installed as the block's ``forward``). An
+    object holding its block, not a closure over the block's bound method: a copy of the model
+    (``copy.deepcopy``, an EMA of it) gets a wrapper of its own that runs the copy's forward on the
+    copy's parameters."""
+
+    def __init__(self, block: nn.Module, previous: Any, context: Callable[[], Any]) -> None:
+        #: the block; ``previous``: its instance's own ``forward`` before (None: its class's)
+        self.block, self.previous, self.context = block, previous, context
+        self._signature: inspect.Signature | None = None
+        self._cache_named: bool | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_signature": None, "_cache_named": None}  # asked again of the copy's forward
+
+    def _forward(self) -> Callable[..., Any]:
+        return self.previous if self.previous is not None else types.MethodType(type(self.block).forward, self.block)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        forward = self._forward()
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if self._cache_named is None:
+            try:
+                self._signature = inspect.signature(forward)
+            except (TypeError, ValueError):
+                self._signature = None
+            self._cache_named = self._signature is not None and any(
+                n in self._signature.parameters for n in (*_CACHE_KWARGS, "use_cache"))
+        if self._cache_named:
+            args, kwargs = _without_cache(self._signature, args, kwargs)  # type: ignore[arg-type]
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=self.context, **kwargs)
+
+
 class Recompute:
     """Selective recomputation on some blocks (:func:`selective_recompute`); :meth:`remove` undoes it."""
 
@@ -144,45 +181,23 @@ class Recompute:
         self.blocks: tuple[nn.Module, ...] = tuple(blocks)
         #: the ops whose outputs are kept
         self.save = save
-        self._context = functools.partial(create_selective_checkpoint_contexts, _policy(save))
-        self._patches: list[patches.Patch] = []
+        context = functools.partial(create_selective_checkpoint_contexts, _policy(save))
+        self._wrappers: list[_Recomputed] = []
         for block in self.blocks:
-            wrapper = self._wrap(block.forward)
-            # the handle lives as long as a block runs its wrapper (a cycle through the block, collectable),
-            # so remove() stays reachable however the handle itself is kept
-            wrapper.recompute = self  # type: ignore[attr-defined]
-            self._patches.append(patches.replace(
-                block, "forward", wrapper, scope="until Recompute.remove()",
-                cause="the block's forward runs under selective checkpointing, its cheap ops recomputed in backward"))
+            wrapper = _Recomputed(block, block.__dict__.get("forward"), context)
+            patches.wrap(block, "forward", wrapper, scope="until Recompute.remove()",
+                         cause="the block's forward runs under selective checkpointing, its cheap ops recomputed "
+                               "in backward")
+            self._wrappers.append(wrapper)
             _ON[block] = weakref.ref(self)
-
-    def _wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
-        from torch.utils.checkpoint import checkpoint
-
-        context = self._context
-        try:
-            signature: inspect.Signature | None = inspect.signature(forward)
-        except (TypeError, ValueError):
-            signature = None
-        cache_named = signature is not None and any(n in signature.parameters for n in (*_CACHE_KWARGS, "use_cache"))
-
-        @functools.wraps(forward)
-        def recomputed(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            if cache_named:
-                args, kwargs = _without_cache(signature, args, kwargs)  # type: ignore[arg-type]
-            return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
-
-        return recomputed
 
     def remove(self) -> None:
         """Each block's forward as it was (idempotent)."""
-        for block, patch in zip(self.blocks, self._patches):
+        for block, wrapper in zip(self.blocks, self._wrappers):
             mark = _ON.get(block)
             if mark is None or mark() is not self:
                 continue
-            patch.remove()
+            patches.unwrap(block, "forward", wrapper)
             del _ON[block]
 
     def __repr__(self) -> str:
@@ -229,6 +244,10 @@ def selective_recompute(model: nn.Module, *, save: Iterable[Any] = SAVE,
         if block in _ON:
             raise RecomputeError(f"{type(block).__name__} is already recomputed selectively: call .remove() "
                                  f"on the handle first")
+        if isinstance(block.__dict__.get("forward"), _Recomputed):
+            raise RecomputeError(f"{type(block).__name__} is already recomputed selectively (copied so from a "
+                                 f"recomputed model): it runs so on its own parameters; "
+                                 f"amp_backends.patches.unwrap(block, 'forward', block.forward) undoes it")
         if getattr(block, "gradient_checkpointing", False):
             raise RecomputeError(
                 f"{type(block).__name__} is checkpointed whole already (transformers' gradient checkpointing): "

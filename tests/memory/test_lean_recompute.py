@@ -260,8 +260,7 @@ def _live_tensor_bytes() -> int:
 def test_a_recomputed_model_dropped_frees_itself_and_its_optimizer(kind: str, through: str) -> None:
     """Its mark on the blocks is weak both ways: a model trained with recomputation and then dropped,
     with its handle and optimizer, is collected, and every storage it held (parameters, gradients,
-    the optimizer's state, masters) with it; the handle stays reachable from the blocks while they
-    run recomputed, so remove() works however the handle is kept."""
+    the optimizer's state, masters) with it."""
     import gc
     import weakref
 
@@ -285,18 +284,14 @@ def test_a_recomputed_model_dropped_frees_itself_and_its_optimizer(kind: str, th
     assert held >= 3 * sum(p.numel() * p.element_size() for p in model.parameters()), "parameters, grads, moments"
     alive = [weakref.ref(model), weakref.ref(opt), weakref.ref(step_opt)]
     if through == "selective_recompute":
-        blocks = find_blocks(model)
-        assert all(b.forward.recompute is handle for b in blocks)
+        alive.append(weakref.ref(handle))
         del handle
-        gc.collect()
-        blocks[0].forward.recompute.remove()  # the handle dropped by the caller: still reachable, still undoes
-        assert all("forward" not in b.__dict__ for b in blocks)
-        del blocks
     else:
+        alive.append(weakref.ref(lean))
         del lean
     del model, opt, step_opt
     gc.collect()
-    assert [r() for r in alive] == [None, None, None], "the model and its optimizer outlive every reference to them"
+    assert [r() for r in alive] == [None] * 4, "the model, its optimizer or the handle outlive every reference to them"
     assert _live_tensor_bytes() - before <= 4096, "storages of the dropped model or optimizer are still alive"
 
 
@@ -324,3 +319,33 @@ def test_the_first_step_in_a_fresh_process_is_bitwise_the_plain_lean_step(kind: 
         lean.remove()
     _bitwise(runs[0][0], runs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_a_copy_of_a_recomputed_model_runs_its_own_parameters() -> None:
+    """copy.deepcopy of a recomputed model (an EMA of it, a snapshot) gets wrappers of its own: its
+    blocks run their own forward on their own parameters, recomputed, its loss and gradients bitwise a
+    plain copy's with the same weights, nothing reaching the original; it refuses to be wrapped again,
+    saying how to undo it, and the original's handle leaves the copy alone."""
+    import copy
+
+    from amp_backends import patches
+
+    model = _gpt2().train()
+    handle = selective_recompute(model)
+    twin = copy.deepcopy(model)
+    plain = _gpt2().train()
+    with torch.no_grad():
+        for t, p in zip(twin.parameters(), plain.parameters()):
+            t.mul_(0.5)
+            p.copy_(t)
+    _bitwise(_step("gpt2", twin), _step("gpt2", plain))
+    assert all(p.grad is None for p in model.parameters()), "the original's parameters took no gradient"
+    assert all(b.forward.block is b for b in twin.transformer.h)
+    with pytest.raises(RecomputeError, match="copied so from a recomputed model"):
+        selective_recompute(twin)
+    handle.remove()
+    assert all("forward" not in b.__dict__ for b in model.transformer.h)
+    assert all("forward" in b.__dict__ for b in twin.transformer.h), "the copy keeps its own"
+    for b in twin.transformer.h:
+        patches.unwrap(b, "forward", b.forward)
+    assert all("forward" not in b.__dict__ for b in twin.transformer.h)
