@@ -107,17 +107,36 @@ def _packets(save: Iterable[Any]) -> frozenset[Any]:
     return frozenset(out)
 
 
-def _policy(save: frozenset[Any]) -> Callable[..., Any]:
-    from torch.utils.checkpoint import CheckpointPolicy
+def _op_named(name: str) -> Any:
+    """``torch.ops.<name>`` ("aten.mm" a packet, "aten.mm.default" an overload)."""
+    found: Any = torch.ops
+    for part in name.split("."):
+        found = getattr(found, part)
+    return found
 
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        if op in save or getattr(op, "overloadpacket", None) in save:
+
+class _Policy:
+    """The checkpoint's policy: the outputs of the ops in ``save`` kept, every other op recomputed.
+    Picklable (``torch.save(model)``): the ops travel by name."""
+
+    def __init__(self, save: frozenset[Any]) -> None:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        self.save = save
+        self._keep, self._again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"save": sorted(str(op) for op in self.save)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(frozenset(_op_named(name) for name in state["save"]))  # type: ignore[misc]
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if op in self.save or getattr(op, "overloadpacket", None) in self.save:
             if counting() and not ctx.is_recompute:  # kept: the ledger counts its outputs as activations
                 kept_for_backward(op)
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
+            return self._keep
+        return self._again
 
 
 def _without_cache(signature: inspect.Signature, args: tuple[Any, ...],
@@ -181,7 +200,7 @@ class Recompute:
         self.blocks: tuple[nn.Module, ...] = tuple(blocks)
         #: the ops whose outputs are kept
         self.save = save
-        context = functools.partial(create_selective_checkpoint_contexts, _policy(save))
+        context = functools.partial(create_selective_checkpoint_contexts, _Policy(save))
         self._wrappers: list[_Recomputed] = []
         for block in self.blocks:
             wrapper = _Recomputed(block, block.__dict__.get("forward"), context)

@@ -349,3 +349,28 @@ def test_a_copy_of_a_recomputed_model_runs_its_own_parameters() -> None:
     for b in twin.transformer.h:
         patches.unwrap(b, "forward", b.forward)
     assert all("forward" not in b.__dict__ for b in twin.transformer.h)
+
+
+def test_a_recomputed_model_pickles_whole_and_the_loaded_one_runs_its_own_blocks() -> None:
+    """torch.save(model) of a recomputed model (and of one under every lever of the lean mode): the
+    checkpoint's policy travels by op name, and the loaded model's blocks run recomputed on their own
+    parameters, its loss and gradients bitwise the original's."""
+    import io
+
+    import amp_backends
+    from amp_backends.memory import memory_lean
+
+    for lean in (False, True):
+        model = _gpt2().train()
+        if lean:
+            memory_lean(model, torch.optim.AdamW(model.parameters()), backend=amp_backends.get("cpu"),
+                        weights=torch.bfloat16, lm_head="lm_head", recompute=True)
+        else:
+            selective_recompute(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert all(b.forward.block is b for b in loaded.transformer.h)
+        assert loaded.transformer.h[0].forward.context.args[0].save == model.transformer.h[0].forward.context.args[0].save
+        _bitwise(_step("gpt2", loaded, amp=lean), _step("gpt2", model, amp=lean))
