@@ -84,12 +84,14 @@ class FusedActivations:
 
 def fused_activations(model: nn.Module) -> FusedActivations:
     """Make every written-out GELU of ``model`` (:data:`FUSED`) run as ``F.gelu``: the same function,
-    one saved tensor instead of four, one kernel instead of a chain (see the module docstring)."""
+    one saved tensor instead of four, one kernel instead of a chain (see the module docstring). A module
+    whose ``forward`` something else replaced already (a precision policy, the user) is left alone."""
     changed = []
     for m in model.modules():
         approximate = _approximate(m)
-        if approximate is None or isinstance(m.__dict__.get("forward"), _FusedGelu):
-            continue
+        if approximate is None or "forward" in m.__dict__:
+            continue  # not a written-out GELU; or fused already, or its forward is another's (a precision
+            # policy running it in float32, a user's own): that is kept as it is
         patches.wrap(m, "forward", _FusedGelu(m, m.__dict__.get("forward"), approximate),
                      scope="until FusedActivations.remove()",
                      cause=f"the GELU written out in Python runs as F.gelu(approximate={approximate!r})")

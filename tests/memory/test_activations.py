@@ -135,3 +135,20 @@ def test_memory_lean_turns_it_on_and_remove_turns_it_off() -> None:
                       weights=torch.bfloat16, activations=False)
     assert all("forward" not in act.__dict__ for act in mlps) and "GELU" not in repr(off)
     off.remove()
+
+
+def test_a_gelu_a_precision_policy_runs_in_float32_is_left_to_it() -> None:
+    """A precision policy that runs a written-out GELU in float32 has replaced its forward: the lever
+    leaves that module alone (its output stays float32 under bf16 autocast), and fuses the others."""
+    import amp_backends
+
+    model = _gpt2()
+    policy = amp_backends.precision_policy(model, fp32=["transformer.h.0.mlp.act"])
+    handle = fused_activations(model)
+    assert handle.modules == [model.transformer.h[1].mlp.act]
+    x = torch.randn(2, 8, 256, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.transformer.h[0].mlp.act(x).dtype == torch.float32, "the policy's float32 forward"
+        assert model.transformer.h[1].mlp.act(x).dtype == torch.bfloat16
+    handle.remove()
+    policy.remove()
