@@ -299,37 +299,31 @@ class Device(ABC):
         else:
             accelerator.synchronize(self.device_type)
 
+    def _memory_call(self, name: str) -> tuple[bool, Any]:
+        """``torch.<device>.<name>()`` where the device module has it, else ``torch.accelerator``'s:
+        (True, its answer), or (False, None) where neither keeps allocator statistics."""
+        call = getattr(self._device_module(), name, None)
+        if callable(call):
+            return True, call()
+        return accelerator.memory_call(self.device_type, name)
+
     def max_memory_allocated(self) -> int | None:
         """Peak bytes allocated since the last reset, or None where the device does not track it."""
-        query = getattr(self._device_module(), "max_memory_allocated", None)
-        if callable(query):
-            return int(query())
-        found, value = accelerator.memory_call(self.device_type, "max_memory_allocated")
-        return int(value) if found else None  # type: ignore[call-overload]  # the accelerator's answer is an int where found
+        found, value = self._memory_call("max_memory_allocated")
+        return int(value) if found else None
 
     def memory_allocated(self) -> int | None:
         """Bytes the device's allocator holds for tensors now, or None where the device does not track it."""
-        query = getattr(self._device_module(), "memory_allocated", None)
-        if callable(query):
-            return int(query())
-        found, value = accelerator.memory_call(self.device_type, "memory_allocated")
-        return int(value) if found else None  # type: ignore[call-overload]  # the accelerator's answer is an int where found
+        found, value = self._memory_call("memory_allocated")
+        return int(value) if found else None
 
     def empty_cache(self) -> None:
         """Give the allocator's cached, unused blocks back to the device, where it keeps such a cache."""
-        release = getattr(self._device_module(), "empty_cache", None)
-        if callable(release):
-            release()
-        else:
-            accelerator.memory_call(self.device_type, "empty_cache")
+        self._memory_call("empty_cache")
 
     def reset_peak_memory_stats(self) -> None:
         """Start a new peak-memory measurement, where the device tracks one."""
-        reset = getattr(self._device_module(), "reset_peak_memory_stats", None)
-        if callable(reset):
-            reset()
-        else:
-            accelerator.memory_call(self.device_type, "reset_peak_memory_stats")
+        self._memory_call("reset_peak_memory_stats")
 
     # -- the earlier contract's gradient op (the kernel's grad_op_ now): named where read, refused where overridden
     unscale_and_check_ = Removed(BACKEND_METHODS)
