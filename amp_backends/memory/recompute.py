@@ -172,6 +172,11 @@ class _Recomputed:
     def _forward(self) -> Callable[..., Any]:
         return self.previous if self.previous is not None else types.MethodType(type(self.block).forward, self.block)
 
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        """The forward it runs: ``inspect.signature(block.forward)`` reads that forward's own signature."""
+        return self._forward()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from torch.utils.checkpoint import checkpoint
 

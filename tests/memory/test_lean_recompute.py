@@ -341,6 +341,9 @@ def test_a_copy_of_a_recomputed_model_runs_its_own_parameters() -> None:
     _bitwise(_step("gpt2", twin), _step("gpt2", plain))
     assert all(p.grad is None for p in model.parameters()), "the original's parameters took no gradient"
     assert all(b.forward.block is b for b in twin.transformer.h)
+    import inspect
+
+    assert inspect.signature(twin.transformer.h[0].forward) == inspect.signature(plain.transformer.h[0].forward)
     with pytest.raises(RecomputeError, match="copied so from a recomputed model"):
         selective_recompute(twin)
     handle.remove()
