@@ -186,6 +186,15 @@ def unwrap(target: object, name: str, wrapper: Any) -> None:
     _unwrapped(target, name, wrapper)
 
 
+def unwrap_each(targets: Any, name: str, kind: type) -> None:
+    """:func:`unwrap` ``<target>.<name>`` for each of ``targets`` where a ``kind`` wrapper is installed there
+    now (a lever's ``remove()``: the modules it changed, whatever was done to them since)."""
+    for target in targets:
+        wrapper = vars(target).get(name)
+        if isinstance(wrapper, kind):
+            unwrap(target, name, wrapper)
+
+
 @contextlib.contextmanager
 def replaced(target: object, name: str, value: Any, *, cause: str, scope: str = "inside the with block") -> Iterator[Patch]:
     """:func:`replace` on entry, undone on exit (also on an error)."""

@@ -72,10 +72,7 @@ class FusedActivations:
         self.modules = modules
 
     def remove(self) -> None:
-        for m in self.modules:
-            wrapper = m.__dict__.get("forward")
-            if isinstance(wrapper, _FusedGelu):
-                patches.unwrap(m, "forward", wrapper)
+        patches.unwrap_each(self.modules, "forward", _FusedGelu)
         self.modules = []
 
     def __repr__(self) -> str:

@@ -147,10 +147,7 @@ class LowPrecisionSaves:
         self.modules = modules
 
     def remove(self) -> None:
-        for m in self.modules:
-            wrapper = m.__dict__.get("forward")
-            if isinstance(wrapper, _SavesLow):
-                patches.unwrap(m, "forward", wrapper)
+        patches.unwrap_each(self.modules, "forward", _SavesLow)
         self.modules = []
 
 
