@@ -186,13 +186,22 @@ def unwrap(target: object, name: str, wrapper: Any) -> None:
     _unwrapped(target, name, wrapper)
 
 
-def unwrap_each(targets: Any, name: str, kind: type) -> None:
-    """:func:`unwrap` ``<target>.<name>`` for each of ``targets`` where a ``kind`` wrapper is installed there
-    now (a lever's ``remove()``: the modules it changed, whatever was done to them since)."""
-    for target in targets:
-        wrapper = vars(target).get(name)
-        if isinstance(wrapper, kind):
-            unwrap(target, name, wrapper)
+class Wrapped:
+    """What a lever wrapped: each of ``modules`` has a :attr:`kind` wrapper installed as its ``forward``
+    (by :func:`wrap`); :meth:`remove` unwraps those still installed, whatever was done to the modules since."""
+
+    #: the wrapper class the lever installs
+    kind: type
+
+    def __init__(self, modules: list[Any]) -> None:
+        self.modules = modules
+
+    def remove(self) -> None:
+        for module in self.modules:
+            wrapper = vars(module).get("forward")
+            if isinstance(wrapper, self.kind):
+                unwrap(module, "forward", wrapper)
+        self.modules = []
 
 
 @contextlib.contextmanager

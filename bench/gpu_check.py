@@ -476,8 +476,10 @@ def _summary(name: str, rec: dict[str, Any]) -> str:
     if name == "tests":
         return r["summary"]
     if name == "memory":
+        from amp_backends.cli.bench_memory import LEFT_BEHIND_MARGIN
+
         left = "; ".join(f"{x['model']} {x['mode']} left {x['memory']['left_behind'] / 2**20:,.0f} MiB" for x in r["rows"]
-                         if (x.get("memory") or {}).get("left_behind", 0) > 1 << 20)
+                         if (x.get("memory") or {}).get("left_behind", 0) > LEFT_BEHIND_MARGIN)
         saved = "; ".join(f"{x['model']} {x['mode']} {_pct(-100 * x['saving_vs_fp32'])}" for x in r["rows"]
                           if x.get("saving_vs_fp32") is not None and x["mode"] != "fp32")
         return (f"LEFT BEHIND: {left} | " if left else "") + saved[:400]

@@ -65,15 +65,10 @@ class _FusedGelu:
         return F.gelu(x, approximate=self.approximate)
 
 
-class FusedActivations:
+class FusedActivations(patches.Wrapped):
     """The modules :func:`fused_activations` changed; :meth:`remove` restores them."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.modules = modules
-
-    def remove(self) -> None:
-        patches.unwrap_each(self.modules, "forward", _FusedGelu)
-        self.modules = []
+    kind = _FusedGelu
 
     def __repr__(self) -> str:
         return f"FusedActivations({len(self.modules)} modules)"

@@ -81,7 +81,8 @@ def kept_for_backward(op: Any) -> None:
     other than autograd's saved-tensor hooks (a selective checkpoint's cache of outputs, which takes those
     hooks over inside its blocks): they are counted as activations, not as "other". Said just after the
     call (the outputs of the op that ran last, where it is ``op`` and not told of yet) or just before it
-    (the next op's, where it is ``op``): torch's checkpoint asks its policy after running the op."""
+    (the next op's, where it is ``op``): torch's checkpoint asks its policy before running the op up to
+    torch 2.12, after it from 2.13 (whose policy context carries the op's output)."""
     for ledger in _COUNTING:
         ledger._kept(op)
 

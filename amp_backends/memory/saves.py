@@ -140,15 +140,10 @@ class _SavesLow:
             return _Fp32SavingLow.apply(fn, x, *params)
 
 
-class LowPrecisionSaves:
+class LowPrecisionSaves(patches.Wrapped):
     """The modules :func:`low_precision_saves` changed; :meth:`remove` restores them."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.modules = modules
-
-    def remove(self) -> None:
-        patches.unwrap_each(self.modules, "forward", _SavesLow)
-        self.modules = []
+    kind = _SavesLow
 
 
 #: The modules whose float32 computation keeps a low-precision input for backward.
