@@ -111,6 +111,13 @@ current_autograd_node = _entry("torch._C._current_autograd_node", "none: backwar
 current_graph_task_id = _entry("torch._C._current_graph_task_id", "none: as _current_autograd_node")
 DelayedError = _entry("torch._C._functions.DelayedError",
                       "none: the fused loss's double backward would fail without its message")
+top_saved_tensors_hooks = _entry(
+    "torch._C._autograd._top_saved_tensors_default_hooks",
+    "none (torch 2.4 has none): activations' outputs are saved as before, not recomputed (which saved-tensor "
+    "hooks are in force, a checkpoint's or the ledger's, cannot be told, so none are put over them)",
+    checked_on=AFTER_2_4)
+saved_tensors_hooks_are_enabled = _entry("torch._C._autograd._saved_tensors_hooks_is_enabled",
+                                         "none: activations' outputs are not recomputed where this is missing")
 OpOverload = _entry("torch._ops.OpOverload", "none: selective recompute takes ops as OpOverloads (torch.ops.aten.x.default)")
 OpOverloadPacket = _entry("torch._ops.OpOverloadPacket", "none: as OpOverload")
 FakeTensor = _entry("torch._subclasses.fake_tensor.FakeTensor", "none: the memory ledger counts on fake tensors")

@@ -2,7 +2,8 @@
 
 Owns the ledger of a training step (:mod:`.ledger`), counted without arithmetic on fake tensors
 (:mod:`.fake`), and memory-lean mixed precision (:mod:`.lean`): low-precision saves for float32 ops
-(:mod:`.saves`), GELUs written out in Python run as one fused op (:mod:`.activations`), the LM head's
+(:mod:`.saves`), GELUs written out in Python run as one fused op (:mod:`.activations`), activations'
+outputs recomputed from their inputs for the ops that save them (:mod:`.activation_outputs`), the LM head's
 lazy logits (:mod:`.chunked_loss`) and its loss fused a block of rows at a time with the gradients made
 in the forward (:mod:`.fused_loss`), low-precision weights with float32
 masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (:mod:`.recompute`),
@@ -15,6 +16,7 @@ May import: :mod:`amp_backends.precision`, :mod:`amp_backends.backend`, :mod:`am
 
 from __future__ import annotations
 
+from .activation_outputs import ActivationOutputs, recompute_activation_outputs
 from .activations import FusedActivations, fused_activations
 from .chunked_loss import LazyHeadError, LazyLogits, head_lever_refusal, lazy_head
 from .compile_once import compile_once
@@ -25,6 +27,7 @@ from .master import MasterWeights
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import low_precision_saves
 
-__all__ = ["PARTS", "FusedActivations", "LazyHeadError", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights",
+__all__ = ["PARTS", "ActivationOutputs", "FusedActivations", "LazyHeadError", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights",
            "MemoryReport", "Recompute", "RecomputeError", "compile_once", "fused_activations", "head_lever_refusal",
-           "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean", "selective_recompute"]
+           "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean", "recompute_activation_outputs",
+           "selective_recompute"]

@@ -10,6 +10,10 @@ Each lever is on its own switch and usable alone:
 - ``activations`` (default on): GELUs written out in Python (transformers' ``gelu_new``, GPT-2's) run
   as ``F.gelu``, saving one tensor for backward instead of four (:mod:`.activations`; the same
   function, rounded once instead of at every op of the chain);
+- ``activation_outputs`` (default on): the activations' outputs (GELU, SiLU, Mish modules) are
+  recomputed from their inputs for the ops that save them (the MLP's second linear), instead of kept
+  beside those inputs (:mod:`.activation_outputs`; bitwise the same gradients, one elementwise op a
+  layer more in backward);
 - ``saves`` (default on): norms and softmax that autocast runs in float32 keep a low-precision input
   for backward (exact; :mod:`.saves`);
 - ``lm_head``: the LM head's logits are never made whole; cross-entropy over them runs a block of rows
@@ -43,6 +47,7 @@ from ..precision.fp8.engine import is_fp8
 from ..precision.policy import fp32_modules
 from ..precision.selectors import NORM_TYPES
 from ..registry.registry import resolve_backend
+from .activation_outputs import ActivationOutputs, recompute_activation_outputs
 from .activations import FusedActivations, fused_activations
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
 from .compile_once import compile_once, uses_compile_per_call
@@ -74,12 +79,13 @@ class Lean:
 
     def __init__(self, model: nn.Module, optimizer: Any, lowered: list[nn.Parameter], kept: dict[str, str],
                  saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None,
-                 recompute: Recompute | None = None, activations: FusedActivations | None = None) -> None:
+                 recompute: Recompute | None = None, activations: FusedActivations | None = None,
+                 outputs: ActivationOutputs | None = None) -> None:
         self.model, self.optimizer, self.weights = model, optimizer, weights
         #: parameter name -> why it stayed float32 (of those the optimizer trains)
         self.kept = kept
         self._lowered, self._saves, self._head, self._recompute = lowered, saves, head, recompute
-        self._activations = activations
+        self._activations, self._outputs = activations, outputs
 
     @property
     def masters(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -126,6 +132,9 @@ class Lean:
         if self._activations is not None:
             self._activations.remove()
             self._activations = None
+        if self._outputs is not None:
+            self._outputs.remove()
+            self._outputs = None
         if self._head is not None:
             undo_lazy_head(self._head)
         if self._recompute is not None:
@@ -159,7 +168,9 @@ class Lean:
                  "lm head fused" if self._head is not None else "",
                  f"{len(self._recompute.blocks)} blocks recompute cheap ops" if self._recompute is not None else "",
                  f"low-precision saves on {len(self._saves.modules)} modules" if self._saves else "",
-                 f"{len(self._activations.modules)} GELUs fused" if self._activations else ""]
+                 f"{len(self._activations.modules)} GELUs fused" if self._activations else "",
+                 f"{len(self._outputs.modules)} activations' outputs recomputed"
+                 if self._outputs is not None and self._outputs.active else ""]
         return f"<Lean {'; '.join(p for p in parts if p) or 'off'}>"
 
 
@@ -255,12 +266,14 @@ def _submodule(model: nn.Module, name: str) -> nn.Module:
 
 def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, backend: Any = None,
                 weights: torch.dtype | str | None = None, master: bool = True, lm_head: str | nn.Module | None = None,
-                saves: bool = True, recompute: bool | list[nn.Module] = False, activations: bool = True) -> Lean:
+                saves: bool = True, recompute: bool | list[nn.Module] = False, activations: bool = True,
+                activation_outputs: bool = True) -> Lean:
     """Turn on the memory levers of mixed precision for ``model`` (see the module docstring); returns
     the handle whose ``optimizer`` the training loop uses. Everything is checked before anything changes.
     ``recompute``: True (the model's repeated blocks, found) or the blocks: their cheap elementwise ops
     (dropout, activations, softmax) recomputed in backward (:mod:`.recompute`). ``activations``: GELUs
-    written out in Python run as ``F.gelu`` (:mod:`.activations`)."""
+    written out in Python run as ``F.gelu`` (:mod:`.activations`). ``activation_outputs``: activations'
+    outputs recomputed from their inputs where a later op saves them (:mod:`.activation_outputs`)."""
     weights, head = _check(model, optimizer, weights, master, lm_head, backend)
     again = None
     if recompute is not False:
@@ -296,8 +309,9 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
             compile_once(optimizer)
     low = low_precision_saves(model) if saves else None
     fused = fused_activations(model) if activations else None
+    outputs = recompute_activation_outputs(model) if activation_outputs else None
     if head is not None:
         lazy_head(head)
-    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused)
+    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs)
     _ON[model] = True
     return lean

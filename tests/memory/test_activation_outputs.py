@@ -1,0 +1,314 @@
+"""Activations' outputs recomputed from their inputs for the ops that save them: on Transformers' GPT-2,
+BERT and Llama the gradients are bitwise those without the lever; the bytes saved for backward are lower
+by exactly one tensor of the MLP's inner width per layer, counted by the ledger and by a saved-tensor
+hook of our own; it composes with torch's checkpoint, ``save_on_cpu``, second order and
+``torch.compile``; an input edited in place is refused; ``remove()`` and copies behave."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from amp_backends import torch_private
+from amp_backends.memory import fused_activations, memory_lean, recompute_activation_outputs
+from amp_backends.memory.activation_outputs import RecomputedInputEdited, pure_function
+from amp_backends.memory.ledger import Ledger
+
+
+def _transformers():  # type: ignore[no-untyped-def]
+    return pytest.importorskip("transformers")
+
+#: whether this torch can tell which saved-tensor hooks are in force (2.4 cannot: the lever does nothing)
+ACTIVE = torch_private.top_saved_tensors_hooks is not None
+TOKENS = (2, 16)
+
+
+def _gpt2() -> nn.Module:
+    transformers = _transformers()
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _bert() -> nn.Module:
+    transformers = _transformers()
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                     intermediate_size=96, vocab_size=64, max_position_embeddings=32)
+    return transformers.BertForSequenceClassification(config)
+
+
+def _llama() -> nn.Module:
+    transformers = _transformers()
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=4, intermediate_size=80, vocab_size=64,
+                                      max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
+#: model -> (build, inner width of its MLP)
+MODELS = {"gpt2": (_gpt2, 4 * 32), "bert": (_bert, 96), "llama": (_llama, 80)}
+
+
+def _build(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name][0]().train()
+
+
+def _loss(model: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    labels = torch.tensor([0, 1]) if name == "bert" else x
+    torch.manual_seed(1)  # the same dropout masks in every run
+    return model(x, labels=labels).loss
+
+
+def _step(model: nn.Module, name: str, dtype: torch.dtype | None, x: torch.Tensor,
+          create_graph: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = _loss(model, name, x)
+    params = [p for p in model.parameters()]
+    if create_graph:  # a gradient penalty: its gradient goes through the saved tensors' graph
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        (loss + sum(g.pow(2).sum() for g in grads if g is not None)).backward()
+    else:
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_bitwise(a: tuple[torch.Tensor, dict[str, torch.Tensor]],
+                    b: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+    assert torch.equal(a[0], b[0]), (a[0], b[0])
+    assert a[1].keys() == b[1].keys() and a[1]
+    for key in a[1]:
+        assert torch.equal(a[1][key], b[1][key]), key
+
+
+def _with_lever(name: str) -> tuple[nn.Module, object]:
+    model = _build(name)
+    fused_activations(model)
+    return model, recompute_activation_outputs(model)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradients_are_bitwise_those_without_the_lever(name: str, dtype: torch.dtype | None) -> None:
+    x = torch.randint(0, 64, TOKENS)
+    plain = _build(name)
+    fused_activations(plain)  # GPT-2's GELU fused in both: the lever under test is the recomputation
+    model, handle = _with_lever(name)
+    assert len(handle.modules) == 2 and handle.active == ACTIVE  # type: ignore[attr-defined]
+    _assert_bitwise(_step(plain, name, dtype, x), _step(model, name, dtype, x))
+
+
+def _saved_bytes(model: nn.Module, name: str, x: torch.Tensor) -> tuple[int, int]:
+    """After a bf16 forward: the ledger's bf16 activations; and, in a second forward, the bytes of the
+    distinct storages a saved-tensor hook of our own is handed (the hooks in force beneath the lever's)."""
+    ledger = Ledger()
+    ledger.register([x], params=model.parameters())
+    with ledger:
+        with ledger.phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model, name, x)
+        ledger.restart_peak()
+        report = ledger.report(params=model.parameters())
+    del loss
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        _loss(model, name, x)
+    return report.activations_by_dtype.get("bfloat16", 0), sum(seen.values())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_one_tensor_of_the_inner_width_less_per_layer(name: str) -> None:
+    """Counted twice, by the ledger and by a hook of our own beneath the lever: the bytes saved for
+    backward are lower by exactly layers x tokens x inner width x 2 (bf16), the activation's output
+    each MLP's second op (GPT-2's c_proj, BERT's output dense, Llama's product with up) kept."""
+    x = torch.randint(0, 64, TOKENS)
+    plain = _build(name)
+    fused_activations(plain)  # GPT-2's GELU fused in both: the lever under test is the recomputation
+    before = _saved_bytes(plain, name, x)
+    model, handle = _with_lever(name)
+    after = _saved_bytes(model, name, x)
+    tokens, inner = TOKENS[0] * TOKENS[1], MODELS[name][1]
+    expected = 2 * tokens * inner * 2 if ACTIVE else 0
+    assert before[0] - after[0] == expected, (before, after)
+    assert before[1] - after[1] == expected, (before, after)
+
+
+def test_memory_lean_turns_it_on_and_it_composes_with_the_masters() -> None:
+    """Through ``memory_lean`` (bf16 weights, float32 masters, low-precision saves, the fused GELU):
+    three AdamW steps give bitwise the weights the same lean setup without the lever gives."""
+    import amp_backends
+
+    x = torch.randint(0, 64, TOKENS)
+    weights = {}
+    for on in (False, True):
+        model = _build("gpt2")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        lean = memory_lean(model, opt, backend=amp_backends.get("cpu"), weights=torch.bfloat16,
+                           activation_outputs=on)
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _loss(model, "gpt2", x)
+            loss.backward()
+            lean.optimizer.step()
+            lean.optimizer.zero_grad()
+        assert ("2 activations' outputs recomputed" in repr(lean)) == (on and ACTIVE), repr(lean)
+        weights[on] = {k: v.clone() for k, v in lean.state_dict().items()}
+        lean.remove()
+        assert not [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    for key in weights[False]:
+        assert torch.equal(weights[False][key], weights[True][key]), key
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "hf-checkpoint-reentrant", "save_on_cpu", "create_graph"])
+def test_composes_with_the_hooks_in_force_and_second_order(how: str) -> None:
+    """Under torch's checkpoint of the whole model (non-reentrant: its hooks beneath ours; Transformers'
+    reentrant one), inside ``save_on_cpu`` and through a gradient penalty (``create_graph``): bitwise
+    what the same run gives without the lever."""
+    x = torch.randint(0, 64, TOKENS)
+    runs = []
+    for on in (False, True):
+        model = _build("gpt2")
+        fused_activations(model)
+        if on:
+            recompute_activation_outputs(model)
+        if how == "hf-checkpoint-reentrant":
+            kwargs = {"use_reentrant": True}
+            if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if how == "checkpoint":
+            inner = model.forward
+
+            def forward(*args: object, _inner: object = inner, **kwargs: object) -> object:
+                return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+            model.forward = forward  # type: ignore[method-assign]
+        if how == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                runs.append(_step(model, "gpt2", torch.bfloat16, x))
+        else:
+            runs.append(_step(model, "gpt2", torch.bfloat16, x, create_graph=how == "create_graph"))
+    _assert_bitwise(runs[0], runs[1])
+
+
+def test_compiled_model_gives_eager_gradients() -> None:
+    """Under ``torch.compile`` the lever stays out (the compiler decides what to save): the compiled
+    model's loss and gradients are the eager model's."""
+    x = torch.randint(0, 64, TOKENS)
+    eager = _step(_build("gpt2"), "gpt2", None, x)
+    model, _ = _with_lever("gpt2")
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.autocast("cpu", enabled=False):
+        torch.manual_seed(1)
+        loss = compiled(x, labels=x).loss
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), eager[0], rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, eager[1][name], rtol=1e-5, atol=1e-6)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, edit_output: bool = False) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)
+        self.edit_output = edit_output
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = self.up(x)
+        y = self.act(self.hidden)
+        if self.edit_output:
+            y = y.mul_(2)  # edited in place before anything saves it: it is not the GELU's output any more
+        return self.down(y)
+
+
+def test_a_torch_mlp_keeps_one_tensor_less_where_this_torch_lets_it() -> None:
+    """A torch MLP (Linear, GELU, Linear): the bytes a saved-tensor hook beneath the
+    lever is handed are lower by the GELU's output where this torch tells the hooks in force (not on 2.4,
+    where the lever says it is inactive and changes nothing), and the gradients are bitwise plain torch's."""
+    x = torch.randn(4, 8)
+    counted, grads = {}, {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = _Mlp()
+        if on:
+            handle = recompute_activation_outputs(model)
+            assert handle.active == ACTIVE and handle.modules == [model.act] and handle.scopes == [model]
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x).pow(2).sum()
+        out.backward()
+        counted[on], grads[on] = sum(seen.values()), [p.grad for p in model.parameters()]
+    assert counted[False] - counted[True] == (4 * 32 * 4 if ACTIVE else 0), counted
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+def test_an_input_edited_in_place_after_the_forward_is_refused() -> None:
+    """The activation's input edited in place between forward and backward: the recomputed output would
+    be wrong, so the backward raises, naming the edit and the way out (plain autograd refuses it too)."""
+    model = _Mlp()
+    recompute_activation_outputs(model)
+    out = model(torch.randn(4, 8)).sum()
+    assert model.hidden is not None
+    with torch.no_grad():
+        model.hidden.add_(1)
+    expected = RecomputedInputEdited if ACTIVE else RuntimeError
+    with pytest.raises(expected, match="modified by an inplace operation|edited in place"):
+        out.backward()
+
+
+def test_an_output_edited_before_it_is_saved_is_kept_as_it_is() -> None:
+    """An output edited in place before an op saves it is no longer the activation's function of its
+    input: it is saved as it is, and the gradients are plain torch's."""
+    x = torch.randn(4, 8)
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = _Mlp(edit_output=True)
+        if on:
+            recompute_activation_outputs(model)
+        model(x).pow(2).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_known_functions_only_and_remove_and_copies() -> None:
+    """Only activations whose function is known are tagged (an in-place SiLU, ReLU, a subclass are not);
+    ``remove()`` takes every hook off; a deep copy and a pickled model run bitwise as the original."""
+
+    class MyGelu(nn.GELU):
+        pass
+
+    assert pure_function(nn.GELU(approximate="tanh")) is not None and pure_function(nn.SiLU()) is not None
+    for module in (nn.SiLU(inplace=True), nn.ReLU(), MyGelu(), nn.Tanh()):
+        assert pure_function(module) is None, module
+    model, handle = _with_lever("bert")
+    x = torch.randint(0, 64, TOKENS)
+    copied = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    reference = _step(model, "bert", torch.bfloat16, x)
+    _assert_bitwise(reference, _step(copied, "bert", torch.bfloat16, x))
+    _assert_bitwise(reference, _step(loaded, "bert", torch.bfloat16, x))
+    handle.remove()  # type: ignore[attr-defined]
+    hooked = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert hooked == []
+    assert _saved_bytes(model, "bert", x) == _saved_bytes(_build("bert"), "bert", x)
