@@ -46,5 +46,5 @@ python -c "from amp_backends.precision.fp8 import engine as fp8; print('fp8 trai
 python -m pytest -n auto -p no:cacheprovider -m "not slow" \
     tests/devices/test_fused.py tests/plugins/test_mlu.py tests/distributed/test_comms.py tests/devices/test_autocast_lists.py \
     tests/precision/test_plan.py tests/precision/test_mxfp8.py tests/cli/test_warning_format.py \
-    tests/memory/test_activation_outputs.py \
+    tests/memory/test_substitutes.py \
     "tests/memory/test_memory.py::test_the_ledger_peak_is_the_allocators_and_its_parts_the_tensors_counted_directly"

@@ -3,7 +3,9 @@
 Owns the ledger of a training step (:mod:`.ledger`), counted without arithmetic on fake tensors
 (:mod:`.fake`), and memory-lean mixed precision (:mod:`.lean`): low-precision saves for float32 ops
 (:mod:`.saves`), GELUs written out in Python run as one fused op (:mod:`.activations`), activations'
-outputs recomputed from their inputs for the ops that save them (:mod:`.activation_outputs`), the LM head's
+outputs recomputed from their inputs for the ops that save them (:mod:`.activation_outputs`), one copy
+of an activation autocast casts for several linears (:mod:`.shared_casts`), both through saved tensors
+substituted (:mod:`.substitutes`), the LM head's
 lazy logits (:mod:`.chunked_loss`) and its loss fused a block of rows at a time with the gradients made
 in the forward (:mod:`.fused_loss`), low-precision weights with float32
 masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (:mod:`.recompute`),
@@ -26,8 +28,9 @@ from .ledger import PARTS, Ledger, MemoryReport
 from .master import MasterWeights
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import low_precision_saves
+from .shared_casts import SharedCasts, share_casts
 
 __all__ = ["PARTS", "ActivationOutputs", "FusedActivations", "LazyHeadError", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights",
-           "MemoryReport", "Recompute", "RecomputeError", "compile_once", "fused_activations", "head_lever_refusal",
+           "MemoryReport", "Recompute", "RecomputeError", "SharedCasts", "compile_once", "fused_activations", "head_lever_refusal",
            "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean", "recompute_activation_outputs",
-           "selective_recompute"]
+           "selective_recompute", "share_casts"]

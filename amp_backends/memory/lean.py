@@ -14,6 +14,9 @@ Each lever is on its own switch and usable alone:
   recomputed from their inputs for the ops that save them (the MLP's second linear), instead of kept
   beside those inputs (:mod:`.activation_outputs`; bitwise the same gradients, one elementwise op a
   layer more in backward);
+- ``shared_casts`` (default on): where autocast casts one float32 activation for several sibling
+  linears (BERT's query, key and value on a GPU), one low-precision copy is kept for backward instead of
+  one per linear (:mod:`.shared_casts`; the same casts and matmuls, bitwise the same gradients);
 - ``saves`` (default on): norms and softmax that autocast runs in float32 keep a low-precision input
   for backward (exact; :mod:`.saves`);
 - ``lm_head``: the LM head's logits are never made whole; cross-entropy over them runs a block of rows
@@ -54,6 +57,7 @@ from .compile_once import compile_once, uses_compile_per_call
 from .master import LOW_PRECISION, MasterWeights
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import LowPrecisionSaves, low_precision_saves
+from .shared_casts import SharedCasts, share_casts
 
 __all__ = ["Lean", "LeanError", "memory_lean"]
 
@@ -80,12 +84,12 @@ class Lean:
     def __init__(self, model: nn.Module, optimizer: Any, lowered: list[nn.Parameter], kept: dict[str, str],
                  saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None,
                  recompute: Recompute | None = None, activations: FusedActivations | None = None,
-                 outputs: ActivationOutputs | None = None) -> None:
+                 outputs: ActivationOutputs | None = None, casts: SharedCasts | None = None) -> None:
         self.model, self.optimizer, self.weights = model, optimizer, weights
         #: parameter name -> why it stayed float32 (of those the optimizer trains)
         self.kept = kept
         self._lowered, self._saves, self._head, self._recompute = lowered, saves, head, recompute
-        self._activations, self._outputs = activations, outputs
+        self._activations, self._outputs, self._casts = activations, outputs, casts
 
     @property
     def masters(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -135,6 +139,9 @@ class Lean:
         if self._outputs is not None:
             self._outputs.remove()
             self._outputs = None
+        if self._casts is not None:
+            self._casts.remove()
+            self._casts = None
         if self._head is not None:
             undo_lazy_head(self._head)
         if self._recompute is not None:
@@ -168,9 +175,11 @@ class Lean:
                  "lm head fused" if self._head is not None else "",
                  f"{len(self._recompute.blocks)} blocks recompute cheap ops" if self._recompute is not None else "",
                  f"low-precision saves on {len(self._saves.modules)} modules" if self._saves else "",
-                 f"{len(self._activations.modules)} GELUs fused" if self._activations else "",
+                 f"{len(self._activations.modules)} GELUs fused" if self._activations and self._activations.modules else "",
                  f"{len(self._outputs.modules)} activations' outputs recomputed"
-                 if self._outputs is not None and self._outputs.active else ""]
+                 if self._outputs is not None and self._outputs.active else "",
+                 f"autocast's copies shared by {len(self._casts.modules)} linears"
+                 if self._casts is not None and self._casts.active else ""]
         return f"<Lean {'; '.join(p for p in parts if p) or 'off'}>"
 
 
@@ -267,13 +276,15 @@ def _submodule(model: nn.Module, name: str) -> nn.Module:
 def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, backend: Any = None,
                 weights: torch.dtype | str | None = None, master: bool = True, lm_head: str | nn.Module | None = None,
                 saves: bool = True, recompute: bool | list[nn.Module] = False, activations: bool = True,
-                activation_outputs: bool = True) -> Lean:
+                activation_outputs: bool = True, shared_casts: bool = True) -> Lean:
     """Turn on the memory levers of mixed precision for ``model`` (see the module docstring); returns
     the handle whose ``optimizer`` the training loop uses. Everything is checked before anything changes.
     ``recompute``: True (the model's repeated blocks, found) or the blocks: their cheap elementwise ops
     (dropout, activations, softmax) recomputed in backward (:mod:`.recompute`). ``activations``: GELUs
     written out in Python run as ``F.gelu`` (:mod:`.activations`). ``activation_outputs``: activations'
-    outputs recomputed from their inputs where a later op saves them (:mod:`.activation_outputs`)."""
+    outputs recomputed from their inputs where a later op saves them (:mod:`.activation_outputs`).
+    ``shared_casts``: one low-precision copy saved of a float32 activation autocast casts for several
+    sibling linears (:mod:`.shared_casts`)."""
     weights, head = _check(model, optimizer, weights, master, lm_head, backend)
     again = None
     if recompute is not False:
@@ -310,8 +321,9 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     low = low_precision_saves(model) if saves else None
     fused = fused_activations(model) if activations else None
     outputs = recompute_activation_outputs(model) if activation_outputs else None
+    casts = share_casts(model) if shared_casts else None
     if head is not None:
         lazy_head(head)
-    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs)
+    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts)
     _ON[model] = True
     return lean

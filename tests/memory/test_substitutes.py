@@ -1,8 +1,10 @@
-"""Activations' outputs recomputed from their inputs for the ops that save them: on Transformers' GPT-2,
-BERT and Llama the gradients are bitwise those without the lever; the bytes saved for backward are lower
-by exactly one tensor of the MLP's inner width per layer, counted by the ledger and by a saved-tensor
-hook of our own; it composes with torch's checkpoint, ``save_on_cpu``, second order and
-``torch.compile``; an input edited in place is refused; ``remove()`` and copies behave."""
+"""Saved tensors substituted (``amp_backends.memory.substitutes``) by two levers. Activations' outputs
+recomputed from their inputs for the ops that save them: on Transformers' GPT-2, BERT and Llama the
+gradients are bitwise those without the lever; the bytes saved for backward are lower by exactly one
+tensor of the MLP's inner width per layer, counted by the ledger and by a saved-tensor hook of our own;
+it composes with torch's checkpoint, ``save_on_cpu``, second order and ``torch.compile``; an input
+edited in place is refused; ``remove()`` and copies behave. Autocast's copies of one float32 activation
+for several sibling linears kept once: bitwise gradients, exactly the extra copies fewer bytes."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import torch
 from torch import nn
 
 from amp_backends import torch_private
-from amp_backends.memory import fused_activations, memory_lean, recompute_activation_outputs
+from amp_backends.memory import fused_activations, memory_lean, recompute_activation_outputs, share_casts
 from amp_backends.memory.activation_outputs import RecomputedInputEdited, pure_function
 from amp_backends.memory.ledger import Ledger
+from sim_marks import needs_sim_device
 
 
 def _transformers():  # type: ignore[no-untyped-def]
@@ -312,3 +315,202 @@ def test_known_functions_only_and_remove_and_copies() -> None:
     hooked = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
     assert hooked == []
     assert _saved_bytes(model, "bert", x) == _saved_bytes(_build("bert"), "bert", x)
+
+
+# -- autocast's copies shared ---------------------------------------------------------------------------
+
+#: model -> the extra copies per layer autocast makes of one float32 activation (BERT: query, key and value
+#: read one LayerNorm output; Llama: q, k, v read one norm's output, gate and up another)
+EXTRA_COPIES = {"bert": 2, "llama": 3}
+
+
+def _amp_step_and_saved_bytes(model: nn.Module, name: str, x: torch.Tensor) -> tuple[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """A bf16 autocast step of float32 weights: the bytes of the distinct storages saved, and the result."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _loss(model, name, x)
+    loss.backward()
+    return sum(seen.values()), (loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+
+
+@pytest.mark.parametrize("name", sorted(EXTRA_COPIES))
+def test_one_copy_of_an_activation_for_its_sibling_linears(name: str) -> None:
+    """Float32 weights under bf16 autocast (the residual stream float32): the bytes saved are lower by
+    exactly the extra copies x layers x tokens x hidden x 2, and the loss and gradients are bitwise
+    those without the lever (the same casts, each linear's gradient reaching the input in float32)."""
+    x = torch.randint(0, 64, TOKENS)
+    plain = _amp_step_and_saved_bytes(_build(name), name, x)
+    model = _build(name)
+    handle = share_casts(model)
+    assert handle.active == ACTIVE and all(type(m) is nn.Linear for m in handle.modules)
+    shared = _amp_step_and_saved_bytes(model, name, x)
+    expected = EXTRA_COPIES[name] * 2 * TOKENS[0] * TOKENS[1] * 32 * 2 if ACTIVE else 0
+    assert plain[0] - shared[0] == expected, (plain[0], shared[0])
+    _assert_bitwise(plain[1], shared[1])
+    handle.remove()
+    assert not [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+
+
+class _Projections(nn.Module):
+    """Three sibling linears: two read one input, the third another, or the first input edited in place."""
+
+    def __init__(self, edit: bool) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.edit = edit
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        q = self.q(h)
+        if self.edit:
+            h.add_(1)  # edited between the two reads: the second cast is of another value
+        return q * self.k(h) + self.v(other)
+
+
+@pytest.mark.parametrize("edit", [False, True], ids=["shared", "edited-between"])
+def test_only_copies_of_the_same_unchanged_input_are_shared(edit: bool) -> None:
+    """Two linears read one input, a third another: one copy fewer saved; with the input edited in place
+    between the two reads, none (the second cast is of another value); the gradients bitwise plain
+    autocast's either way. Without autocast nothing is cast."""
+    x, other = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    counted, results = {}, {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = _Projections(edit)
+        if on:
+            share_casts(model)
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x.grad = None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, other)
+        out.float().pow(2).sum().backward()
+        counted[on], results[on] = sum(seen.values()), [x.grad.clone(), *[p.grad for p in model.parameters()]]
+        if on:
+            with torch.no_grad():  # no autocast, float32: nothing is cast, nothing saved differently
+                assert model(x, other).dtype == torch.float32
+    assert counted[False] - counted[True] == (0 if edit or not ACTIVE else 4 * 8 * 2), counted
+    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+
+
+def test_a_linear_a_precision_policy_runs_in_float32_gets_its_input_uncast() -> None:
+    """A precision policy runs ``q`` in float32: its input reaches it float32 (not rounded to bf16 by the
+    lever first), so its output is bitwise the policy's alone; ``k`` is cast as autocast casts it."""
+    import amp_backends
+
+    x = torch.randn(4, 8)
+    outs = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = _Projections(edit=False)
+        policy = amp_backends.precision_policy(model, fp32=["q"])
+        if on:
+            share_casts(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append((model.q(x), model.k(x)))
+        policy.remove()
+    assert outs[0][0].dtype == torch.float32 and torch.equal(outs[0][0], outs[1][0])
+    assert outs[1][1].dtype == torch.bfloat16 and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_memory_lean_shares_casts_by_default() -> None:
+    import amp_backends
+
+    model = _build("bert")
+    lean = memory_lean(model, torch.optim.AdamW(model.parameters()), backend=amp_backends.get("cpu"))
+    assert ("autocast's copies shared by 6 linears" in repr(lean)) == ACTIVE, repr(lean)
+    lean.remove()
+    assert not [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    off = memory_lean(model, torch.optim.AdamW(model.parameters()), backend=amp_backends.get("cpu"),
+                      shared_casts=False, activation_outputs=False)
+    assert not [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    off.remove()
+
+
+_ON_A_GPU_LIKE_DEVICE = """
+import json, torch, amp_backends
+from torch import nn
+from amp_backends.memory import memory_lean
+from amp_backends.testing.simdevice import raw_of
+
+class Mixer(nn.Module):  # three sibling projections of one input, as attention's query, key and value
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+    def forward(self, h):
+        return self.query(h) * self.key(h) + self.value(h)
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 32)
+    def forward(self, h):
+        return self.down(self.act(self.up(h)))
+
+class Layer(nn.Module):  # post-norm, as BERT's
+    def __init__(self):
+        super().__init__()
+        self.mixer, self.norm1, self.mlp, self.norm2 = Mixer(), nn.LayerNorm(32), Mlp(), nn.LayerNorm(32)
+    def forward(self, h):
+        h = self.norm1(h + self.mixer(h))
+        return self.norm2(h + self.mlp(h))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(64, 32), nn.LayerNorm(32)
+        self.layers, self.head = nn.Sequential(Layer(), Layer()), nn.Linear(32, 2)
+    def forward(self, x):
+        return self.head(self.layers(self.norm(self.embed(x))))
+
+be = amp_backends.get("mlu")
+x = torch.randint(0, 64, (32,)).to("mlu")
+out = {}
+for on in (False, True):
+    torch.manual_seed(0)
+    model = Net().to("mlu")
+    lean = memory_lean(model, torch.optim.AdamW(model.parameters()), backend=be, weights=torch.bfloat16,
+                       activation_outputs=on, shared_casts=on)
+    seen, dtypes = {}, []
+    def pack(t):  # the simulated device's data lives in CPU tensors: their storages are what is kept
+        storage = raw_of(t).untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+    hook = model.norm.register_forward_hook(lambda m, a, o: dtypes.append(str(o.dtype)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), be.autocast():
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    hook.remove()
+    out[str(on)] = {"saved": sum(seen.values()), "loss": loss.item(), "norm_out": dtypes,
+                    "grads": [p.grad.float().cpu().tolist() for p in model.parameters()], "repr": repr(lean)}
+print(json.dumps(out))
+"""
+
+
+@needs_sim_device
+def test_on_a_device_whose_autocast_runs_layer_norm_in_float32_the_lean_step_keeps_less() -> None:
+    """The simulated MLU's autocast follows CUDA's lists (layer_norm in float32): a post-norm model's
+    stream is float32 there, as BERT's on a GPU, even with bf16 weights. Its lean step (bf16 weights,
+    float32 masters) keeps, with both levers, exactly layers x tokens x (2 x width + inner) x 2 bytes less
+    (two copies of the norm's output autocast casts for the key and value projections, the GELU's
+    output), with bitwise the same loss and gradients."""
+    from amp_backends.testing import sim_packages_path
+
+    from conftest import run_json
+
+    out = run_json(_ON_A_GPU_LIKE_DEVICE, [sim_packages_path("mlu")], {"AMP_SIM_MLU_CHIP": "MLU590"})
+    assert out["True"]["norm_out"] == ["torch.float32"], "the simulated device's LayerNorm runs in float32, as CUDA's"
+    expected = 2 * 32 * (2 * 32 + 96) * 2 if ACTIVE else 0
+    assert out["False"]["saved"] - out["True"]["saved"] == expected, out
+    assert out["False"]["loss"] == out["True"]["loss"] and out["False"]["grads"] == out["True"]["grads"]
+    assert ("autocast's copies shared by 10 linears" in out["True"]["repr"]) == ACTIVE, out["True"]["repr"]
+    assert "GELUs fused" not in out["True"]["repr"], "none written out here: the lever is not named"

@@ -1,0 +1,128 @@
+"""One low-precision copy of an activation kept for backward, however many layers autocast casts it for.
+
+Autocast caches its casts of weights (leaves that require grad), not of activations: where several
+linears read one float32 activation, each casts it and each saves its own copy for its weight's
+gradient. BERT's query, key and value read the float32 output of a LayerNorm (on a GPU, whose autocast
+runs layer_norm in float32): three bf16 copies of the same tensor saved per layer where one would do,
+24 MiB a layer at 64 x 128 tokens, 288 MiB over BERT-base; Llama's q, k, v and its gate and up
+projections read its norms' outputs the same way (three copies a layer more than needed).
+
+:func:`share_casts` puts a forward pre-hook on each ``nn.Linear`` that has a sibling ``nn.Linear`` (the
+projections that may read one input): where the device's autocast would cast the float32 input to its
+dtype (asked of the device once: :func:`autocast_casts_linear`), the hook makes that cast itself,
+``x.to(dtype)`` as autocast does, differentiable, each layer its own (so each layer's gradient reaches
+``x`` in float32 and the sum is formed there, as under autocast); each copy after the first of the same
+``x`` (unchanged since) is then saved as the first, bitwise equal (:mod:`.substitutes`), while the
+layers' parent runs. The forward computes what it computed (the same casts, the same matmuls) and the
+gradients are bitwise those without the lever. Where the input is already low precision (a bf16
+residual stream, the CPU's LayerNorm under autocast) nothing is cast and nothing changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..eager import eager
+from ..torch_private import DisableTorchDispatch
+from . import substitutes
+
+__all__ = ["SharedCasts", "autocast_casts_linear", "share_casts"]
+
+
+@eager  # asked outside torch.compile: the answer is a fact of the device, not part of the graph
+@functools.lru_cache(maxsize=None)
+def autocast_casts_linear(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``device_type``'s autocast in ``dtype`` runs ``F.linear`` of float32 tensors in ``dtype``
+    (asked of torch on a small tensor, unseen by the dispatch modes around the call)."""
+    with DisableTorchDispatch():
+        x = torch.ones(2, 4, device=device_type)
+        with torch.autocast(device_type, dtype=dtype):
+            return F.linear(x, torch.ones(3, 4, device=device_type)).dtype == dtype
+
+
+class _First:
+    """The first copy made of an activation, weakly, with the activation's version and the copy's dtype."""
+
+    __slots__ = ("copy", "dtype", "version", "x")
+
+    def __init__(self, x: torch.Tensor, copy: torch.Tensor) -> None:
+        self.x = weakref.ref(x, functools.partial(_forget, id(x)))
+        self.copy, self.version, self.dtype = weakref.ref(copy), x._version, copy.dtype
+
+
+#: id of a live float32 activation -> its first copy
+_FIRST: dict[int, _First] = {}
+
+
+def _forget(key: int, _ref: Any) -> None:
+    _FIRST.pop(key, None)
+
+
+def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Forward pre-hook of a linear: cast its float32 input as autocast would, each copy after the first
+    of the same input saved as the first."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not args or "forward" in vars(module):
+        return None  # compiled; nothing saved; or a forward installed on the layer (a precision policy's
+        # float32 one): the input is given to it as it came
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        return None
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if dtype == torch.float32 or not autocast_casts_linear(device, dtype):
+        return None
+    copy = x.to(dtype)
+    first = _FIRST.get(id(x))
+    earlier = first.copy() if first is not None and first.x() is x else None
+    if earlier is not None and first is not None and first.version == x._version and first.dtype == dtype:
+        substitutes.substitute(copy, earlier, None, "autocast's first copy of an activation")
+    else:
+        _FIRST[id(x)] = _First(x, copy)
+    return (copy, *args[1:])
+
+
+class SharedCasts:
+    """What :func:`share_casts` turned on; :meth:`remove` turns it off."""
+
+    def __init__(self, linears: list[nn.Module], scopes: list[nn.Module], handles: list[Any]) -> None:
+        #: the linears whose inputs are cast by the hook; the modules inside which copies are shared
+        self.modules, self.scopes = linears, scopes
+        self._handles = handles
+
+    @property
+    def active(self) -> bool:
+        """Whether copies are shared on this torch (False where it cannot tell which hooks are in force)."""
+        return bool(self.modules) and substitutes.available()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.modules, self.scopes = [], [], []
+
+    def __repr__(self) -> str:
+        return f"SharedCasts({len(self.modules)} linears in {len(self.scopes)} scopes)"
+
+
+def share_casts(model: nn.Module) -> SharedCasts:
+    """Keep one low-precision copy of each float32 activation autocast casts for several of ``model``'s
+    sibling linears (see the module docstring)."""
+    linears: dict[int, nn.Module] = {}
+    scopes: list[str] = []
+    for name, parent in model.named_modules(remove_duplicate=False):
+        children = [c for c in parent.children() if type(c) is nn.Linear]
+        if len(children) < 2:
+            continue
+        scopes.append(name)
+        for child in children:
+            linears[id(child)] = child
+    handles = [linear.register_forward_pre_hook(_cast) for linear in linears.values()]
+    outer = substitutes.outermost(model, scopes)
+    return SharedCasts(list(linears.values()), outer, handles + substitutes.scoped(outer))

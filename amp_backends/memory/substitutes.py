@@ -1,0 +1,171 @@
+"""Saved tensors substituted: what an op saves for backward stored as another tensor it is made from.
+
+A lever tags a tensor with its *source* and how to remake it (:func:`substitute`): an activation's
+output with the activation's input and its function (:mod:`.activation_outputs`), a second copy autocast
+makes of one activation with the first copy (:mod:`.shared_casts`). While one of the lever's scope
+modules runs (:func:`scoped`), a ``saved_tensors_hooks`` pair stores, in place of a tagged tensor or a
+view of it that an op saves, its source, and remakes the tensor from it when the backward asks (the
+remaking runs with autocast off, so it is the same kernel on the same input: bitwise what was saved).
+
+Composes with the hooks already in force (torch's checkpoint, ``save_on_cpu``, the memory ledger): what
+it does not replace goes to them as before, and for a tagged tensor they are handed the source instead.
+It asks torch which hooks are in force (``torch._C._autograd._top_saved_tensors_default_hooks``; torch
+2.4 has none, and there nothing is substituted: :func:`available`). It does nothing under
+``torch.compile`` (the compiler decides what to save) nor where saved-tensor hooks are disabled. A
+source edited in place between the forward and the backward is refused at the backward
+(:class:`SubstituteSourceEdited`), as autograd refuses an edited saved tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import torch_private
+from ..errors import AmpBackendsError
+
+__all__ = ["SubstituteSourceEdited", "available", "outermost", "scoped", "substitute"]
+
+
+class SubstituteSourceEdited(AmpBackendsError, RuntimeError):
+    """The tensor a saved tensor is remade from was edited in place between the forward and the backward."""
+
+
+def available() -> bool:
+    """Whether this torch lets saved tensors be substituted (it can tell which hooks are in force)."""
+    return torch_private.top_saved_tensors_hooks is not None and torch_private.saved_tensors_hooks_are_enabled is not None
+
+
+class _Tag:
+    """A tagged tensor's source, how it is remade, and its version at the tagging."""
+
+    __slots__ = ("make", "source", "tensor", "version", "what")
+
+    def __init__(self, tensor: torch.Tensor, source: torch.Tensor,
+                 make: Callable[[torch.Tensor], torch.Tensor] | None, what: str) -> None:
+        self.tensor = weakref.ref(tensor, functools.partial(_forget, id(tensor)))
+        self.source, self.make, self.version, self.what = source, make, tensor._version, what
+
+
+#: id of a live tagged tensor -> its tag
+_TAGS: dict[int, _Tag] = {}
+
+
+def _forget(key: int, _ref: Any) -> None:
+    _TAGS.pop(key, None)
+
+
+def substitute(tensor: torch.Tensor, source: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor] | None,
+               what: str) -> None:
+    """Let ``tensor`` (not a view) be saved as ``source`` and remade by ``make(source)`` (None: ``source``
+    itself, which must then equal it bitwise) while a scope runs; ``what`` names the source in errors.
+    The tag holds ``source`` as long as ``tensor`` lives, and ends if ``tensor`` is edited in place."""
+    _TAGS[id(tensor)] = _Tag(tensor, source, make, what)
+
+
+class _Stored:
+    """What is stored in place of a tagged tensor (or a view of it): the source, packed by the hooks in
+    force before, and where the view lies in the tensor."""
+
+    __slots__ = ("make", "packed", "scope", "size", "source", "storage_offset", "stride", "version", "what")
+
+    def __init__(self, scope: _Scope, packed: Any, tag: _Tag, view: torch.Tensor) -> None:
+        self.scope, self.packed, self.make, self.what = scope, packed, tag.make, tag.what
+        self.source, self.version = weakref.ref(tag.source), tag.source._version
+        self.size, self.stride, self.storage_offset = view.size(), view.stride(), view.storage_offset()
+
+
+class _Scope:
+    """The pack and unpack hooks of one scope, over the hooks in force when it began (or none)."""
+
+    def __init__(self, outer: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
+        self.outer_pack: Callable[[torch.Tensor], Any] | None = outer[0] if outer is not None else None
+        self.outer_unpack: Callable[[Any], torch.Tensor] | None = outer[1] if outer is not None else None
+        self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        base = t if t._base is None else t._base
+        tag = _TAGS.get(id(base))
+        if tag is None or tag.tensor() is not base or base._version != tag.version or t.dtype != base.dtype:
+            return t if self.outer_pack is None else self.outer_pack(t)
+        source = tag.source
+        return _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Stored) or packed.scope is not self:
+            return packed if self.outer_unpack is None else self.outer_unpack(packed)
+        source: torch.Tensor = packed.packed if self.outer_unpack is None else self.outer_unpack(packed.packed)
+        if source is packed.source() and source._version != packed.version:
+            raise SubstituteSourceEdited(
+                f"{packed.what} ({tuple(source.shape)}, {source.dtype}) was edited in place after the forward "
+                f"(version {packed.version} -> {source._version}); the tensor the backward needs is remade "
+                "from it and would be wrong: edit a copy (x = x.clone()), or turn the memory_lean lever that "
+                "saves it this way off")
+        if packed.make is None:
+            value = source
+        else:
+            with torch.autocast(source.device.type, enabled=False):
+                value = packed.make(source)  # under create_graph grad mode is on: differentiable, as saved
+        if value.size() == packed.size and value.stride() == packed.stride and packed.storage_offset == 0:
+            return value
+        return value.as_strided(packed.size, packed.stride, packed.storage_offset)
+
+
+_LOCAL = threading.local()
+
+
+def _scopes() -> list[tuple[int, _Scope | None]]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    return stack
+
+
+def _enter(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a scope: push the hooks (where they can work here)."""
+    if torch.compiler.is_compiling():
+        return  # the compiler decides what to save; _leave does nothing either
+    top, enabled = torch_private.top_saved_tensors_hooks, torch_private.saved_tensors_hooks_are_enabled
+    if top is None or enabled is None or not enabled() or not torch.is_grad_enabled():
+        _scopes().append((id(module), None))
+        return
+    scope = _Scope(top(False))
+    scope.context.__enter__()
+    _scopes().append((id(module), scope))
+
+
+def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook of a scope (also run when the forward raised): pop its hooks."""
+    if torch.compiler.is_compiling():
+        return
+    stack = _scopes()
+    if not stack or stack[-1][0] != id(module):
+        return  # its pre-hook never ran (an earlier pre-hook raised)
+    scope = stack.pop()[1]
+    if scope is not None:
+        scope.context.__exit__(None, None, None)
+
+
+def outermost(model: nn.Module, names: Iterable[str]) -> list[nn.Module]:
+    """The modules of ``model`` named (qualified names, "" the model), leaving out any inside another."""
+    kept: list[str] = []
+    for name in sorted(set(names), key=lambda n: n.count(".") if n else -1):
+        if not any(k == "" or name == k or name.startswith(k + ".") for k in kept):
+            kept.append(name)
+    found = dict(model.named_modules(remove_duplicate=False))
+    return list({id(found[n]): found[n] for n in kept}.values())
+
+
+def scoped(modules: Iterable[nn.Module]) -> list[Any]:
+    """Substitute tagged saved tensors while each of ``modules`` runs; the hooks' handles, to remove."""
+    handles: list[Any] = []
+    for module in modules:
+        handles.append(module.register_forward_pre_hook(_enter))
+        handles.append(module.register_forward_hook(_leave, always_call=True))
+    return handles
