@@ -9,9 +9,9 @@ Llama's MLP saves ``act(gate)`` for its product with ``up`` the same way.
 :func:`recompute_activation_outputs` tags the output of each activation module it knows the pure
 function of (:func:`pure_function`: ``nn.GELU``, ``nn.SiLU``, ``nn.Mish`` and Transformers' modules
 running ``F.gelu``, ``F.silu`` or ``F.mish``, GPT-2's written-out GELU once :mod:`.activations` runs it
-fused), and while the activation's grandparent module runs (the block holding its consumer: GPT-2's
-``GPT2Block``, BERT's ``BertLayer``) an op that saves that output (or a view of it) is handed the
-activation's input instead, which autograd keeps anyway; the backward recomputes the output from it
+fused), and from then to the end of the activation's grandparent's forward (the block holding its
+consumer: GPT-2's ``GPT2Block``, BERT's ``BertLayer``), an op that saves that output (or a view of it) is
+handed the activation's input instead, which autograd keeps anyway; the backward recomputes the output from it
 (:mod:`.substitutes`: how, what it composes with, where it does nothing). The recomputation is the same
 kernel on the same input with autocast off (the output's dtype is the input's, checked at the forward),
 so the gradients are bitwise those without the lever; it costs one elementwise op per layer in backward.
@@ -86,6 +86,7 @@ def _tag(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     fn = pure_function(module)
     if fn is not None:
         substitutes.substitute(output, args[0], fn, "an activation's input")
+        substitutes.open_scope()  # until the block's forward ends: its consumer comes later in it
 
 
 class ActivationOutputs:
@@ -114,15 +115,15 @@ def recompute_activation_outputs(model: nn.Module) -> ActivationOutputs:
     """Recompute the outputs of ``model``'s activation modules (:func:`pure_function`) from their inputs
     for the ops that save them, instead of keeping both (see the module docstring)."""
     activations: dict[int, nn.Module] = {}
-    scopes: list[str] = []
+    blocks: list[str] = []
     for name, module in model.named_modules(remove_duplicate=False):
         if pure_function(module) is None and not _may_become_pure(module):
             continue
         activations[id(module)] = module
-        scopes.append(".".join(name.split(".")[:-2]))  # the grandparent: the block holding its consumer
+        blocks.append(".".join(name.split(".")[:-2]))  # the grandparent: the block holding its consumer
     handles = [module.register_forward_hook(_tag) for module in activations.values()]
-    outer = substitutes.outermost(model, scopes)
-    return ActivationOutputs(list(activations.values()), outer, handles + substitutes.scoped(outer))
+    scopes = substitutes.outermost(model, blocks) if activations else []
+    return ActivationOutputs(list(activations.values()), scopes, handles + substitutes.owners(scopes))
 
 
 def _may_become_pure(module: nn.Module) -> bool:

@@ -12,8 +12,8 @@ projections that may read one input): where the device's autocast would cast the
 dtype (asked of the device once: :func:`autocast_casts_linear`), the hook makes that cast itself,
 ``x.to(dtype)`` as autocast does, differentiable, each layer its own (so each layer's gradient reaches
 ``x`` in float32 and the sum is formed there, as under autocast); each copy after the first of the same
-``x`` (unchanged since) is then saved as the first, bitwise equal (:mod:`.substitutes`), while the
-layers' parent runs. The forward computes what it computed (the same casts, the same matmuls) and the
+``x`` (unchanged since) is then saved as the first, bitwise equal, by the layer it is cast for
+(:mod:`.substitutes`). The forward computes what it computed (the same casts, the same matmuls) and the
 gradients are bitwise those without the lever. Where the input is already low precision (a bf16
 residual stream, the CPU's LayerNorm under autocast) nothing is cast and nothing changes.
 """
@@ -28,18 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..eager import eager
 from ..torch_private import DisableTorchDispatch
 from . import substitutes
 
 __all__ = ["SharedCasts", "autocast_casts_linear", "share_casts"]
 
 
-@eager  # asked outside torch.compile: the answer is a fact of the device, not part of the graph
 @functools.lru_cache(maxsize=None)
 def autocast_casts_linear(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``device_type``'s autocast in ``dtype`` runs ``F.linear`` of float32 tensors in ``dtype``
-    (asked of torch on a small tensor, unseen by the dispatch modes around the call)."""
+    (asked of torch on a small tensor, unseen by the dispatch modes around the call; never under
+    ``torch.compile``: the hook that asks returns first there)."""
     with DisableTorchDispatch():
         x = torch.ones(2, 4, device=device_type)
         with torch.autocast(device_type, dtype=dtype):
@@ -67,7 +66,7 @@ def _forget(key: int, _ref: Any) -> None:
 def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Forward pre-hook of a linear: cast its float32 input as autocast would, each copy after the first
     of the same input saved as the first."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not args or "forward" in vars(module):
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not args or "forward" in module.__dict__:
         return None  # compiled; nothing saved; or a forward installed on the layer (a precision policy's
         # float32 one): the input is given to it as it came
     x = args[0]
@@ -84,6 +83,7 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     earlier = first.copy() if first is not None and first.x() is x else None
     if earlier is not None and first is not None and first.version == x._version and first.dtype == dtype:
         substitutes.substitute(copy, earlier, None, "autocast's first copy of an activation")
+        substitutes.open_scope_in(module)  # for this layer's forward: it saves the copy
     else:
         _FIRST[id(x)] = _First(x, copy)
     return (copy, *args[1:])
@@ -92,9 +92,9 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
 class SharedCasts:
     """What :func:`share_casts` turned on; :meth:`remove` turns it off."""
 
-    def __init__(self, linears: list[nn.Module], scopes: list[nn.Module], handles: list[Any]) -> None:
-        #: the linears whose inputs are cast by the hook; the modules inside which copies are shared
-        self.modules, self.scopes = linears, scopes
+    def __init__(self, linears: list[nn.Module], handles: list[Any]) -> None:
+        #: the linears whose inputs are cast by the hook, each copy after the first saved as the first
+        self.modules = linears
         self._handles = handles
 
     @property
@@ -105,24 +105,19 @@ class SharedCasts:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self.modules, self.scopes = [], [], []
+        self._handles, self.modules = [], []
 
     def __repr__(self) -> str:
-        return f"SharedCasts({len(self.modules)} linears in {len(self.scopes)} scopes)"
+        return f"SharedCasts({len(self.modules)} linears)"
 
 
 def share_casts(model: nn.Module) -> SharedCasts:
     """Keep one low-precision copy of each float32 activation autocast casts for several of ``model``'s
     sibling linears (see the module docstring)."""
     linears: dict[int, nn.Module] = {}
-    scopes: list[str] = []
-    for name, parent in model.named_modules(remove_duplicate=False):
+    for parent in model.modules():
         children = [c for c in parent.children() if type(c) is nn.Linear]
-        if len(children) < 2:
-            continue
-        scopes.append(name)
-        for child in children:
-            linears[id(child)] = child
+        if len(children) >= 2:
+            linears.update((id(c), c) for c in children)
     handles = [linear.register_forward_pre_hook(_cast) for linear in linears.values()]
-    outer = substitutes.outermost(model, scopes)
-    return SharedCasts(list(linears.values()), outer, handles + substitutes.scoped(outer))
+    return SharedCasts(list(linears.values()), handles + substitutes.closing(linears.values()))

@@ -2,10 +2,12 @@
 
 A lever tags a tensor with its *source* and how to remake it (:func:`substitute`): an activation's
 output with the activation's input and its function (:mod:`.activation_outputs`), a second copy autocast
-makes of one activation with the first copy (:mod:`.shared_casts`). While one of the lever's scope
-modules runs (:func:`scoped`), a ``saved_tensors_hooks`` pair stores, in place of a tagged tensor or a
-view of it that an op saves, its source, and remakes the tensor from it when the backward asks (the
-remaking runs with autocast off, so it is the same kernel on the same input: bitwise what was saved).
+makes of one activation with the first copy (:mod:`.shared_casts`). From the tagging to the end of the
+forward of the module it happened in (:func:`open_scope` inside an owner block, :func:`open_scope_in` a
+layer), a ``saved_tensors_hooks`` pair stores, in place of a tagged tensor or a view of it that an op
+saves, its source, and remakes the tensor from it when the backward asks (the remaking runs with
+autocast off, so it is the same kernel on the same input: bitwise what was saved). The hooks see only
+the saves after a tag in its block: each costs a Python call at the forward and one at the backward.
 
 Composes with the hooks already in force (torch's checkpoint, ``save_on_cpu``, the memory ledger): what
 it does not replace goes to them as before, and for a tagged tensor they are handed the source instead.
@@ -30,7 +32,8 @@ from torch import nn
 from .. import torch_private
 from ..errors import AmpBackendsError
 
-__all__ = ["SubstituteSourceEdited", "available", "outermost", "scoped", "substitute"]
+__all__ = ["SubstituteSourceEdited", "available", "closing", "open_scope", "open_scope_in", "outermost", "owners",
+           "substitute"]
 
 
 class SubstituteSourceEdited(AmpBackendsError, RuntimeError):
@@ -109,9 +112,11 @@ class _Scope:
                 "saves it this way off")
         if packed.make is None:
             value = source
-        else:
+        elif torch.is_autocast_enabled(source.device.type):  # a backward run inside autocast: not for this
             with torch.autocast(source.device.type, enabled=False):
-                value = packed.make(source)  # under create_graph grad mode is on: differentiable, as saved
+                value = packed.make(source)
+        else:
+            value = packed.make(source)  # under create_graph grad mode is on: differentiable, as saved
         if value.size() == packed.size and value.stride() == packed.stride and packed.storage_offset == 0:
             return value
         return value.as_strided(packed.size, packed.stride, packed.storage_offset)
@@ -121,35 +126,61 @@ _LOCAL = threading.local()
 
 
 def _scopes() -> list[tuple[int, _Scope | None]]:
+    """This thread's running owners (a module's id), each with the scope opened inside it, or None yet."""
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
     return stack
 
 
-def _enter(module: nn.Module, args: Any) -> None:
-    """Forward pre-hook of a scope: push the hooks (where they can work here)."""
-    if torch.compiler.is_compiling():
-        return  # the compiler decides what to save; _leave does nothing either
+def _new_scope() -> _Scope | None:
+    """Hooks over those in force, entered; None where none can be (compiling, no grad, hooks disabled or
+    unknown on this torch) or where a scope is in force already (it substitutes every tag)."""
     top, enabled = torch_private.top_saved_tensors_hooks, torch_private.saved_tensors_hooks_are_enabled
-    if top is None or enabled is None or not enabled() or not torch.is_grad_enabled():
-        _scopes().append((id(module), None))
-        return
-    scope = _Scope(top(False))
+    if top is None or enabled is None or torch.compiler.is_compiling() or not enabled() or not torch.is_grad_enabled():
+        return None
+    outer = top(False)
+    if outer is not None and isinstance(getattr(outer[0], "__self__", None), _Scope):
+        return None
+    scope = _Scope(outer)
     scope.context.__enter__()
-    _scopes().append((id(module), scope))
+    return scope
+
+
+def _running(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of an owner: it runs; a scope may be opened inside it (:func:`open_scope`)."""
+    if not torch.compiler.is_compiling():
+        _scopes().append((id(module), None))
+
+
+def open_scope() -> None:
+    """Substitute tagged tensors from now until the innermost running owner's forward ends (a tag made
+    inside it, an activation's output, is saved by a later op of the same block); nothing where no owner
+    runs (its forward called directly, without its hooks) or a scope is open already."""
+    stack = _scopes()
+    if stack and stack[-1][1] is None:
+        scope = _new_scope()
+        if scope is not None:
+            stack[-1] = (stack[-1][0], scope)
+
+
+def open_scope_in(module: nn.Module) -> None:
+    """From a forward pre-hook of ``module`` (one :func:`closing` closes): substitute tagged tensors
+    until its forward ends (a layer given a tagged input)."""
+    scope = _new_scope()
+    if scope is not None:
+        _scopes().append((id(module), scope))
 
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook of a scope (also run when the forward raised): pop its hooks."""
+    """Forward hook of an owner or a layer (also run when the forward raised): close what it opened."""
     if torch.compiler.is_compiling():
         return
     stack = _scopes()
-    if not stack or stack[-1][0] != id(module):
-        return  # its pre-hook never ran (an earlier pre-hook raised)
-    scope = stack.pop()[1]
-    if scope is not None:
-        scope.context.__exit__(None, None, None)
+    if stack and stack[-1][0] == id(module):  # else nothing was pushed for it (or its pre-hook never ran)
+        scope = stack.pop()[1]
+        if scope is not None:
+            scope.context.__exit__(None, None, None)
 
 
 def outermost(model: nn.Module, names: Iterable[str]) -> list[nn.Module]:
@@ -162,10 +193,15 @@ def outermost(model: nn.Module, names: Iterable[str]) -> list[nn.Module]:
     return list({id(found[n]): found[n] for n in kept}.values())
 
 
-def scoped(modules: Iterable[nn.Module]) -> list[Any]:
-    """Substitute tagged saved tensors while each of ``modules`` runs; the hooks' handles, to remove."""
+def owners(modules: Iterable[nn.Module]) -> list[Any]:
+    """Let scopes be opened inside each of ``modules`` (:func:`open_scope`); the hooks' handles, to remove."""
     handles: list[Any] = []
     for module in modules:
-        handles.append(module.register_forward_pre_hook(_enter))
-        handles.append(module.register_forward_hook(_leave, always_call=True))
+        handles.append(module.register_forward_pre_hook(_running))
+        handles.extend(closing([module]))
     return handles
+
+
+def closing(modules: Iterable[nn.Module]) -> list[Any]:
+    """Close, at the end of each of ``modules``' forward, what was opened inside it; the hooks' handles."""
+    return [module.register_forward_hook(_leave, always_call=True) for module in modules]
