@@ -15,7 +15,10 @@ dtype (asked of the device once: :func:`autocast_casts_linear`), the hook makes 
 ``x`` (unchanged since) is then saved as the first, bitwise equal, by the layer it is cast for
 (:mod:`.substitutes`). The forward computes what it computed (the same casts, the same matmuls) and the
 gradients are bitwise those without the lever. Where the input is already low precision (a bf16
-residual stream, the CPU's LayerNorm under autocast) nothing is cast and nothing changes.
+residual stream, the CPU's LayerNorm under autocast) nothing is cast and nothing changes; nor inside a
+reentrant checkpoint's recomputation (Transformers' ``use_reentrant=True``), which runs in the backward
+after a forward without grad: there autocast casts as without the lever (its three gradients were summed
+in another order: 1e-6 apart on a small BERT).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..torch_private import DisableTorchDispatch
+from ..torch_private import DisableTorchDispatch, current_graph_task_id
 from . import substitutes
 
 __all__ = ["SharedCasts", "autocast_casts_linear", "share_casts"]
@@ -66,9 +69,11 @@ def _forget(key: int, _ref: Any) -> None:
 def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Forward pre-hook of a linear: cast its float32 input as autocast would, each copy after the first
     of the same input saved as the first."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not args or "forward" in module.__dict__:
-        return None  # compiled; nothing saved; or a forward installed on the layer (a precision policy's
-        # float32 one): the input is given to it as it came
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not args or "forward" in module.__dict__
+            or (current_graph_task_id is not None and current_graph_task_id() != -1)):
+        return None  # compiled; nothing saved; a forward installed on the layer (a precision policy's float32
+        # one): the input is given to it as it came; or a reentrant checkpoint's recomputation, inside the
+        # backward, whose forward ran without grad: autocast casts there as it did without the lever
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         return None

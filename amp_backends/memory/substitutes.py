@@ -125,12 +125,19 @@ class _Scope:
 _LOCAL = threading.local()
 
 
-def _scopes() -> list[tuple[int, _Scope | None]]:
-    """This thread's running owners (a module's id), each with the scope opened inside it, or None yet."""
+def _scopes() -> list[tuple[int, _Scope | None, Any]]:
+    """This thread's running owners and layers: a module's id, the scope opened inside it (or None yet),
+    and the saved-tensor pack hook in force when it began."""
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
     return stack
+
+
+def _top_pack() -> Any:
+    top = torch_private.top_saved_tensors_hooks
+    hooks = top(False) if top is not None else None
+    return hooks[0] if hooks is not None else None
 
 
 def _new_scope() -> _Scope | None:
@@ -150,18 +157,20 @@ def _new_scope() -> _Scope | None:
 def _running(module: nn.Module, args: Any) -> None:
     """Forward pre-hook of an owner: it runs; a scope may be opened inside it (:func:`open_scope`)."""
     if not torch.compiler.is_compiling():
-        _scopes().append((id(module), None))
+        _scopes().append((id(module), None, _top_pack()))
 
 
 def open_scope() -> None:
     """Substitute tagged tensors from now until the innermost running owner's forward ends (a tag made
-    inside it, an activation's output, is saved by a later op of the same block); nothing where no owner
-    runs (its forward called directly, without its hooks) or a scope is open already."""
+    inside it, an activation's output, is saved by a later op of the same block). Nothing where no owner
+    runs (its forward called directly, without its hooks, as a checkpoint's recomputation calls it), a
+    scope is open already, or other saved-tensor hooks were put in force inside the owner (a checkpoint
+    of its forward: which saves it keeps is then its own, the same in the forward and its recomputation)."""
     stack = _scopes()
-    if stack and stack[-1][1] is None:
+    if stack and stack[-1][1] is None and _top_pack() is stack[-1][2]:
         scope = _new_scope()
         if scope is not None:
-            stack[-1] = (stack[-1][0], scope)
+            stack[-1] = (stack[-1][0], scope, stack[-1][2])
 
 
 def open_scope_in(module: nn.Module) -> None:
@@ -169,7 +178,7 @@ def open_scope_in(module: nn.Module) -> None:
     until its forward ends (a layer given a tagged input)."""
     scope = _new_scope()
     if scope is not None:
-        _scopes().append((id(module), scope))
+        _scopes().append((id(module), scope, None))
 
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:

@@ -171,18 +171,27 @@ def test_memory_lean_turns_it_on_and_it_composes_with_the_masters() -> None:
         assert torch.equal(weights[False][key], weights[True][key]), key
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "hf-checkpoint-reentrant", "save_on_cpu", "create_graph"])
-def test_composes_with_the_hooks_in_force_and_second_order(how: str) -> None:
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("how", ["checkpoint", "hf-checkpoint-reentrant", "selective-recompute", "save_on_cpu",
+                                 "create_graph"])
+def test_composes_with_the_hooks_in_force_and_second_order(how: str, name: str) -> None:
     """Under torch's checkpoint of the whole model (non-reentrant: its hooks beneath ours; Transformers'
-    reentrant one), inside ``save_on_cpu`` and through a gradient penalty (``create_graph``): bitwise
-    what the same run gives without the lever."""
+    reentrant one), the lean mode's selective recomputation of each block (a checkpoint inside the block
+    the activation's output would be substituted in: left to it, the same in the forward and its
+    recomputation), inside ``save_on_cpu`` and through a gradient penalty (``create_graph``): bitwise
+    what the same run gives without the levers."""
+    from amp_backends.memory import selective_recompute
+
     x = torch.randint(0, 64, TOKENS)
     runs = []
     for on in (False, True):
-        model = _build("gpt2")
+        model = _build(name)
         fused_activations(model)
+        if how == "selective-recompute":
+            selective_recompute(model)
         if on:
             recompute_activation_outputs(model)
+            share_casts(model)
         if how == "hf-checkpoint-reentrant":
             kwargs = {"use_reentrant": True}
             if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.x
@@ -198,9 +207,9 @@ def test_composes_with_the_hooks_in_force_and_second_order(how: str) -> None:
             model.forward = forward  # type: ignore[method-assign]
         if how == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu():
-                runs.append(_step(model, "gpt2", torch.bfloat16, x))
+                runs.append(_step(model, name, torch.bfloat16, x))
         else:
-            runs.append(_step(model, "gpt2", torch.bfloat16, x, create_graph=how == "create_graph"))
+            runs.append(_step(model, name, torch.bfloat16, x, create_graph=how == "create_graph"))
     _assert_bitwise(runs[0], runs[1])
 
 
