@@ -74,10 +74,14 @@ def profile(name: str, mode_name: str, size: str, steps: int, top: int) -> dict[
             "host_ms": statistics.median(host), "by": key, "top": rows}
 
 
+#: memory_lean's switches that are on by default, all off: each lever below is timed alone
+_OFF = {"saves": False, "activations": False, "activation_outputs": False, "shared_casts": False}
 LEVERS: dict[str, dict[str, Any]] = {
-    "amp": {}, "saves": {"saves": True}, "weights": {"saves": False, "weights": torch.bfloat16},
-    "head": {"saves": False, "lm_head": True}, "recompute": {"saves": False, "recompute": True},
-    "all": {"weights": torch.bfloat16, "lm_head": True},
+    "amp": {}, "saves": {**_OFF, "saves": True}, "activations": {**_OFF, "activations": True},
+    "activation_outputs": {**_OFF, "activation_outputs": True}, "shared_casts": {**_OFF, "shared_casts": True},
+    "weights": {**_OFF, "weights": torch.bfloat16}, "head": {**_OFF, "lm_head": True},
+    "recompute": {**_OFF, "recompute": True},
+    "all": {"weights": torch.bfloat16, "lm_head": True},  # the defaults on, as `lean-bf16` runs
 }
 
 
