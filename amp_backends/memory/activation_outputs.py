@@ -89,23 +89,17 @@ def _tag(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         substitutes.open_scope()  # until the block's forward ends: its consumer comes later in it
 
 
-class ActivationOutputs:
-    """What :func:`recompute_activation_outputs` turned on; :meth:`remove` turns it off."""
+class ActivationOutputs(substitutes.Hooked):
+    """What :func:`recompute_activation_outputs` turned on (:attr:`modules`: the activations whose outputs
+    are recomputed; :attr:`scopes`: the blocks inside which that is done); :meth:`remove` turns it off."""
 
     def __init__(self, activations: list[nn.Module], scopes: list[nn.Module], handles: list[Any]) -> None:
-        #: the activation modules whose outputs are recomputed; the modules inside which that is done
-        self.modules, self.scopes = activations, scopes
-        self._handles = handles
-
-    @property
-    def active(self) -> bool:
-        """Whether outputs are recomputed on this torch (False where it cannot tell which hooks are in force)."""
-        return bool(self.modules) and substitutes.available()
+        super().__init__(activations, handles)
+        self.scopes = scopes
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self.modules, self.scopes = [], [], []
+        super().remove()
+        self.scopes = []
 
     def __repr__(self) -> str:
         return f"ActivationOutputs({len(self.modules)} activations in {len(self.scopes)} scopes)"

@@ -94,23 +94,9 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return (copy, *args[1:])
 
 
-class SharedCasts:
-    """What :func:`share_casts` turned on; :meth:`remove` turns it off."""
-
-    def __init__(self, linears: list[nn.Module], handles: list[Any]) -> None:
-        #: the linears whose inputs are cast by the hook, each copy after the first saved as the first
-        self.modules = linears
-        self._handles = handles
-
-    @property
-    def active(self) -> bool:
-        """Whether copies are shared on this torch (False where it cannot tell which hooks are in force)."""
-        return bool(self.modules) and substitutes.available()
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self.modules = [], []
+class SharedCasts(substitutes.Hooked):
+    """What :func:`share_casts` turned on (:attr:`modules`: the linears whose inputs are cast by the hook,
+    each copy after the first saved as the first); :meth:`remove` turns it off."""
 
     def __repr__(self) -> str:
         return f"SharedCasts({len(self.modules)} linears)"

@@ -32,7 +32,7 @@ from torch import nn
 from .. import torch_private
 from ..errors import AmpBackendsError
 
-__all__ = ["SubstituteSourceEdited", "available", "closing", "open_scope", "open_scope_in", "outermost", "owners",
+__all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "open_scope", "open_scope_in", "outermost", "owners",
            "substitute"]
 
 
@@ -214,3 +214,22 @@ def owners(modules: Iterable[nn.Module]) -> list[Any]:
 def closing(modules: Iterable[nn.Module]) -> list[Any]:
     """Close, at the end of each of ``modules``' forward, what was opened inside it; the hooks' handles."""
     return [module.register_forward_hook(_leave, always_call=True) for module in modules]
+
+
+class Hooked:
+    """What a lever that substitutes saved tensors turned on: :attr:`modules`, the layers it hooked, and
+    the hooks' handles; :meth:`remove` takes them off."""
+
+    def __init__(self, modules: list[nn.Module], handles: list[Any]) -> None:
+        self.modules = modules
+        self._handles = handles
+
+    @property
+    def active(self) -> bool:
+        """Whether the lever does anything on this torch (False where it cannot tell which hooks are in force)."""
+        return bool(self.modules) and available()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.modules = [], []
