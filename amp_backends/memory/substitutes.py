@@ -48,12 +48,13 @@ def available() -> bool:
 class _Tag:
     """A tagged tensor's source, how it is remade, and its version at the tagging."""
 
-    __slots__ = ("make", "source", "tensor", "version", "what")
+    __slots__ = ("make", "source", "source_version", "tensor", "version", "what")
 
     def __init__(self, tensor: torch.Tensor, source: torch.Tensor,
                  make: Callable[[torch.Tensor], torch.Tensor] | None, what: str) -> None:
         self.tensor = weakref.ref(tensor, functools.partial(_forget, id(tensor)))
         self.source, self.make, self.version, self.what = source, make, tensor._version, what
+        self.source_version = source._version
 
 
 #: id of a live tagged tensor -> its tag
@@ -68,7 +69,7 @@ def substitute(tensor: torch.Tensor, source: torch.Tensor, make: Callable[[torch
                what: str) -> None:
     """Let ``tensor`` (not a view) be saved as ``source`` and remade by ``make(source)`` (None: ``source``
     itself, which must then equal it bitwise) while a scope runs; ``what`` names the source in errors.
-    The tag holds ``source`` as long as ``tensor`` lives, and ends if ``tensor`` is edited in place."""
+    The tag holds ``source`` as long as ``tensor`` lives, and ends if either is edited in place."""
     _TAGS[id(tensor)] = _Tag(tensor, source, make, what)
 
 
@@ -95,7 +96,8 @@ class _Scope:
     def pack(self, t: torch.Tensor) -> Any:
         base = t if t._base is None else t._base
         tag = _TAGS.get(id(base))
-        if tag is None or tag.tensor() is not base or base._version != tag.version or t.dtype != base.dtype:
+        if (tag is None or tag.tensor() is not base or base._version != tag.version or t.dtype != base.dtype
+                or tag.source._version != tag.source_version):  # either edited since: saved as it is
             return t if self.outer_pack is None else self.outer_pack(t)
         source = tag.source
         return _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t)

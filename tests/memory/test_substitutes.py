@@ -230,10 +230,10 @@ def test_compiled_model_gives_eager_gradients() -> None:
 
 
 class _Mlp(nn.Module):
-    def __init__(self, edit_output: bool = False) -> None:
+    def __init__(self, edit_output: bool = False, edit_input: bool = False) -> None:
         super().__init__()
         self.up, self.act, self.down = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)
-        self.edit_output = edit_output
+        self.edit_output, self.edit_input = edit_output, edit_input
         self.hidden: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,6 +241,9 @@ class _Mlp(nn.Module):
         y = self.act(self.hidden)
         if self.edit_output:
             y = y.mul_(2)  # edited in place before anything saves it: it is not the GELU's output any more
+        if self.edit_input:
+            with torch.no_grad():
+                self.hidden.add_(1)  # the input edited before the output is saved: no longer its source
         return self.down(y)
 
 
@@ -298,6 +301,27 @@ def test_an_output_edited_before_it_is_saved_is_kept_as_it_is() -> None:
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_an_input_edited_before_the_output_is_saved_leaves_the_output_saved_as_it_is() -> None:
+    """The activation's input edited in place between the activation and the op that saves its output:
+    the output is no longer the function of its input, so it is saved as it is, not remade from the
+    edited input. The gradient of the second layer's weight alone (the activation's own backward, which
+    autograd would refuse for the edit, never runs) is plain torch's; the whole backward fails as plain
+    torch's does, at the activation's saved input."""
+    x = torch.randn(4, 8)
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = _Mlp(edit_input=True)
+        if on:
+            recompute_activation_outputs(model)
+        out = model(x).pow(2).sum()
+        grads.append(torch.autograd.grad(out, [model.down.weight], retain_graph=True)[0])
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+            out.backward()
+        assert not isinstance(caught.value, RecomputedInputEdited)
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_known_functions_only_and_remove_and_copies() -> None:
