@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -534,8 +535,28 @@ def test_per_tensor_host_time_over_2000_small_tensors_no_worse_than_torchs_op(mo
         for fn in ((mine, theirs) if i % 2 else (theirs, mine)):
             times[fn].append(timed(fn))
     ratio = min(times[mine]) / min(times[theirs])  # the quietest call of each: noise only ever adds
-    assert ratio <= 1.05, f"per-tensor op {ratio:.3f}x torch's own over 2000 small tensors"
+    # a wide margin: the constant around torch's op is a few percent of it, more on a loaded machine; the
+    # per-tensor pass this guards against cost 1.22x, and the counts below catch it on any machine
+    assert ratio <= 1.15, f"per-tensor op {ratio:.3f}x torch's own over 2000 small tensors"
     assert found.item() == ref_found.item() == 0.0
+
+    def python_calls(n: int) -> int:  # Python and C functions called around torch's op, for n tensors
+        small = TensorGroup(grads[0].device, grads[0].dtype, grads[:n])
+        count = [0]
+
+        def profile(frame, event, arg):  # noqa: ANN001, ANN202
+            if event in ("call", "c_call"):
+                count[0] += 1
+
+        ours.grad_op_(small, found, inv)  # a group's first call may fill caches: count the next
+        sys.setprofile(profile)
+        try:
+            ours.grad_op_(small, found, inv)
+        finally:
+            sys.setprofile(None)
+        return count[0]
+
+    assert python_calls(2000) == python_calls(1000), "the choice around torch's op does work per tensor"
 
     calls = []
     numel = torch.Tensor.numel
