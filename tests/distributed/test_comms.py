@@ -226,9 +226,15 @@ def test_simulated_libraries_refuse_what_the_vendors_refuse(ranks):
 @needs_cpu_fsdp2
 @needs_divide_then_sum
 def test_fsdp2_on_simulated_gaudi_hccl_fails_where_the_hardware_would(fsdp_ranks):
+    """fully_shard by hand fails under Gaudi's HCCL where this torch reduces with AVG over the group (seen
+    by recording its reduce ops unrefused; torch 2.9 divides and sums over gloo itself, and nothing fails
+    there); shard_in_low_precision divides and sums on every torch."""
     for r in fsdp_ranks:
-        assert "HCCL (Intel Gaudi) does not take ReduceOp.AVG" in r["gaudi"]["hand"]
-        assert "_reduce_scatter_base_" in r["gaudi"]["hand"]
+        if "avg" in r["gaudi"]["hand_ops"]:
+            assert "HCCL (Intel Gaudi) does not take ReduceOp.AVG" in r["gaudi"]["hand"]
+            assert "_reduce_scatter_base_" in r["gaudi"]["hand"]
+        else:
+            assert r["gaudi"]["hand"] is None, r["gaudi"]
         assert r["gaudi"]["ours"] is None
 
 

@@ -287,16 +287,23 @@ def test_an_input_edited_in_place_after_the_forward_is_refused() -> None:
         out.backward()
 
 
+def _plain_and_lever(**edits: bool) -> list[_Mlp]:
+    """The same MLP twice (the same weights), the second with its activation's output recomputed."""
+    models = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        models.append(_Mlp(**edits))
+        if on:
+            recompute_activation_outputs(models[-1])
+    return models
+
+
 def test_an_output_edited_before_it_is_saved_is_kept_as_it_is() -> None:
     """An output edited in place before an op saves it is no longer the activation's function of its
     input: it is saved as it is, and the gradients are plain torch's."""
     x = torch.randn(4, 8)
     grads = []
-    for on in (False, True):
-        torch.manual_seed(0)
-        model = _Mlp(edit_output=True)
-        if on:
-            recompute_activation_outputs(model)
+    for model in _plain_and_lever(edit_output=True):
         model(x).pow(2).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
@@ -311,11 +318,7 @@ def test_an_input_edited_before_the_output_is_saved_leaves_the_output_saved_as_i
     torch's does, at the activation's saved input."""
     x = torch.randn(4, 8)
     grads = []
-    for on in (False, True):
-        torch.manual_seed(0)
-        model = _Mlp(edit_input=True)
-        if on:
-            recompute_activation_outputs(model)
+    for model in _plain_and_lever(edit_input=True):
         out = model(x).pow(2).sum()
         grads.append(torch.autograd.grad(out, [model.down.weight], retain_graph=True)[0])
         with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
