@@ -145,10 +145,10 @@ def _top_pack() -> Any:
 def _new_scope() -> _Scope | None:
     """Hooks over those in force, entered; None where none can be (compiling, no grad, hooks disabled or
     unknown on this torch) or where a scope is in force already (it substitutes every tag)."""
-    top, enabled = torch_private.top_saved_tensors_hooks, torch_private.saved_tensors_hooks_are_enabled
-    if top is None or enabled is None or torch.compiler.is_compiling() or not enabled() or not torch.is_grad_enabled():
+    if (not available() or torch.compiler.is_compiling() or not torch_private.saved_tensors_hooks_are_enabled()
+            or not torch.is_grad_enabled()):
         return None
-    outer = top(False)
+    outer = torch_private.top_saved_tensors_hooks(False)
     if outer is not None and isinstance(getattr(outer[0], "__self__", None), _Scope):
         return None
     scope = _Scope(outer)
