@@ -80,4 +80,4 @@ others = [torch.zeros_like(grads[True][1]) for _ in range(info.world_size)]
 torch.distributed.all_gather(others, grads[True][1])
 result["head_grad_same_on_ranks"] = all(torch.equal(o, others[0]) for o in others)
 Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(result))
-torch.distributed.destroy_process_group()
+distributed.destroy_process_group()  # barrier, destroy, collect: avoids Gloo's abort at exit
