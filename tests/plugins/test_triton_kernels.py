@@ -259,6 +259,7 @@ def test_kernel_selection_by_environment():
     assert cuda_kernel == "triton", "the CUDA backend uses Triton whenever it is installed"
 
 
+@pytest.mark.slow
 def test_benchmark_script_runs(tmp_path):
     """bench/unscale.py end to end at tiny sizes (under the interpreter without a GPU); the full
     run is a benchmark, not a test."""

@@ -395,6 +395,7 @@ def test_check_model_on_the_bench_models_at_cpu_scale(name):
     assert norms and all(r.output_dtype in ("float32", "bfloat16") for r in norms)
 
 
+@pytest.mark.slow
 def test_the_check_command_prints_a_table_and_json(tmp_path):
     (tmp_path / "factory_mod.py").write_text(
         "import torch\n"
