@@ -124,31 +124,15 @@ def premul_sum() -> str | None:
 def gaudi() -> dict:
     """Under Gaudi's HCCL (simulated: it refuses AVG and PREMUL_SUM): fully_shard's own AVG fails at the first
     backward, as on the hardware; shard_in_low_precision, checked against the same declaration, divides and sums."""
-    from amp_backends.testing.simcollectives import SimulatedCollectiveError, simulated_library
-
-    from amp_backends.distributed.counting import reduce_op_name
-    from amp_backends.testing.simcollectives import REDUCTIONS
-    from amp_backends.torch_private import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):  # the reduce ops this torch's fully_shard issues by hand, unrefused
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
-            name = getattr(func.overloadpacket, "_qualified_op_name", "").split("::", 1)[-1]
-            if name in REDUCTIONS:
-                self.ops.add((next((reduce_op_name(a) for a in args if callable(getattr(a, "op", None))), None)
-                              or "sum").lower())
-            return func(*args, **(kwargs or {}))
+    from amp_backends.testing.simcollectives import REDUCTIONS, SimulatedCollectiveError, simulated_library
 
     declared = dataclasses.replace(collectives.GAUDI_HCCL, process_group="gloo")
     gaudi_cpu = type("GaudiLike", (type(be),), {"collectives": declared})()
     net = Net()
     by_hand(net, torch.float32)
-    with Ops() as seen:
+    with distributed.count_collectives() as log:  # the reduce ops this torch's fully_shard issues by hand, unrefused
         torch.nn.functional.mse_loss(net(X), Y).backward()
-    out: dict = {"hand_ops": sorted(seen.ops)}
+    out: dict = {"hand_ops": sorted((op or "SUM").lower() for op in log.reduce_ops(list(REDUCTIONS)))}
     for how in ("hand", "ours"):
         net = Net()
         if how == "hand":
