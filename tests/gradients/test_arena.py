@@ -16,6 +16,7 @@ import torch
 import amp_backends
 from amp_backends.gradients.arena import ALIGN_BYTES, flat_grads_of
 from amp_backends.scaler import GradScaler
+from python_events import python_events
 
 pytestmark = pytest.mark.filterwarnings("ignore::amp_backends.PerformanceWarning")
 
@@ -850,25 +851,6 @@ def test_a_parameter_given_a_new_node_is_hooked_again():
 
 
 # -- the host cost per step: constant in the number of parameters ------------------------------------
-def _python_events(fn) -> int:
-    """Python-level calls ``fn()`` makes (frames entered, builtins called from Python), counted by the
-    interpreter's profiler: work done per parameter in Python shows as a count that grows with them."""
-    import sys
-
-    count = [0]
-
-    def tally(frame, event, arg):
-        if event in ("call", "c_call"):
-            count[0] += 1
-
-    sys.setprofile(tally)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count[0]
-
-
 def _sized(n: int, numel: int, check: str = "refcount"):
     params = [torch.nn.Parameter(torch.rand(numel) + 0.5) for _ in range(n)]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -893,15 +875,15 @@ def test_the_checks_before_each_op_do_no_python_work_per_parameter(numel):
         opt, scaler = _sized(n, numel)
         arena = flat_grads_of(opt)
         assert arena.problem() is None
-        problem = _python_events(arena.problem)
+        problem = python_events(arena.problem)
         for _ in range(2):  # the second call counted: the first fills caches
             scaler._per_optimizer_states[id(opt)] = _refresh_per_optimizer_state()
-            unscale = _python_events(lambda: scaler.unscale_(opt))
+            unscale = python_events(lambda: scaler.unscale_(opt))
         counts[n] = (problem, unscale)
     assert counts[20] == counts[2000], counts
     opt, scaler = _sized(2000, numel, check="identity")  # the check that looks at every parameter: it grows
     small, _ = _sized(20, numel, check="identity")
-    assert _python_events(flat_grads_of(opt).problem) > _python_events(flat_grads_of(small).problem) + 1000
+    assert python_events(flat_grads_of(opt).problem) > python_events(flat_grads_of(small).problem) + 1000
 
 
 _MUTATIONS = {  # each leaves the list holding other tensors, or the same in another order

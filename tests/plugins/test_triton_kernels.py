@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from amp_backends.gradients.groups import TensorGroup
 from amp_backends_plugins.triton import TritonKernel, _kernels
 
 from conftest import run_json
+from python_events import python_events
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -543,19 +543,8 @@ def test_per_tensor_host_time_over_2000_small_tensors_no_worse_than_torchs_op(mo
 
     def python_calls(n: int) -> int:  # Python and C functions called around torch's op, for n tensors
         small = TensorGroup(grads[0].device, grads[0].dtype, grads[:n])
-        count = [0]
-
-        def profile(frame, event, arg):  # noqa: ANN001, ANN202
-            if event in ("call", "c_call"):
-                count[0] += 1
-
         ours.grad_op_(small, found, inv)  # a group's first call may fill caches: count the next
-        sys.setprofile(profile)
-        try:
-            ours.grad_op_(small, found, inv)
-        finally:
-            sys.setprofile(None)
-        return count[0]
+        return python_events(lambda: ours.grad_op_(small, found, inv))
 
     assert python_calls(2000) == python_calls(1000), "the choice around torch's op does work per tensor"
 
