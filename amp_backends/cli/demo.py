@@ -160,6 +160,7 @@ def _peak_memory(be: Backend) -> tuple[int, str]:
 def run(cfg: DemoConfig) -> dict[str, Any]:
     """Train and evaluate; returns the summary ``--json`` prints."""
     be, dtype = _check(cfg)
+    saved = _read_resume(cfg, be, dtype) if cfg.resume else None  # a bad checkpoint fails before any work
     device = be.device()
     x_train, y_train, x_test, y_test = (t.to(device) for t in load_digits(cfg.seed))
     torch.manual_seed(cfg.seed)
@@ -167,8 +168,8 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     scaler = be.grad_scaler(dtype, enabled=cfg.amp)
     start_epoch, history = 0, []
-    if cfg.resume:
-        start_epoch, history = _resume(cfg, be, dtype, model, opt, scaler)
+    if saved is not None:
+        start_epoch, history = _apply_resume(cfg, saved, model, opt, scaler)
     step_fn = torch.compile(model) if cfg.compile else model
     n = len(y_train)
     steps_per_epoch = math.ceil(n / cfg.batch_size)
@@ -270,11 +271,11 @@ def _save(cfg: DemoConfig, be: Backend, dtype: torch.dtype, model: torch.nn.Modu
     )
 
 
-def _resume(cfg: DemoConfig, be: Backend, dtype: torch.dtype, model: torch.nn.Module, opt: torch.optim.Optimizer,
-            scaler: Any) -> tuple[int, list[float]]:
+def _read_resume(cfg: DemoConfig, be: Backend, dtype: torch.dtype) -> dict[str, Any]:
+    """The checkpoint ``--resume`` names, read and checked against this run's options; nothing built yet."""
     assert cfg.resume
     state = checkpoint.load(cfg.resume, KIND, required=("epoch", "config", "model", "optimizer", "scaler", "history"))
-    epoch, history = _validate_fields(cfg.resume, state)
+    epoch, _ = _validate_fields(cfg.resume, state)
     expected = _identity(cfg, be, dtype)
     saved = state["config"]
     diffs = [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in expected.items() if saved.get(k) != v]
@@ -284,6 +285,12 @@ def _resume(cfg: DemoConfig, be: Backend, dtype: torch.dtype, model: torch.nn.Mo
         )
     if epoch > cfg.epochs:
         raise DemoError(f"{cfg.resume} already has {epoch} epochs; ask for --epochs {epoch} or more")
+    return state
+
+
+def _apply_resume(cfg: DemoConfig, state: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer,
+                  scaler: Any) -> tuple[int, list[float]]:
+    """Loads the checked checkpoint's states; returns its epoch count and loss history."""
     try:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -291,7 +298,7 @@ def _resume(cfg: DemoConfig, be: Backend, dtype: torch.dtype, model: torch.nn.Mo
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
         first = first_line(exc) or type(exc).__name__
         raise checkpoint.CheckpointError(f"{cfg.resume} does not fit this model: {first[:200]}") from None
-    return epoch, history
+    return state["epoch"], [float(v) for v in state["history"]]
 
 
 def _validate_fields(path: str, state: dict[str, Any]) -> tuple[int, list[float]]:

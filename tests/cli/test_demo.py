@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -13,13 +15,32 @@ from amp_backends import checkpoint
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    import os
-
     full = {k: v for k, v in os.environ.items() if not k.startswith("AMP_BACKEND")}
     full["AMP_BACKEND"] = "cpu"  # what these tests check is the CPU's behaviour, whatever else the machine has
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "amp_backends", *args], capture_output=True, text=True,
                           timeout=timeout, env=full)
+
+
+@pytest.fixture
+def command(monkeypatch, capsys):
+    """The command's entry point in this process, as `cli` sets it up: ``run(*args)`` gives its exit
+    status and what it wrote to stderr."""
+    from amp_backends.cli.main import main
+
+    for name in [k for k in os.environ if k.startswith("AMP_BACKEND")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AMP_BACKEND", "cpu")
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main() sets the package's own
+
+    def run(*args: str) -> tuple[int, str]:
+        try:
+            status = main(list(args))
+        except SystemExit as exc:  # argparse's own refusals exit
+            status = exc.code
+        return status, capsys.readouterr().err
+
+    return run
 
 
 @pytest.mark.slow
@@ -91,14 +112,16 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
         (["--checkpoint", ""], "the checkpoint path is empty"),
     ],
 )
-def test_bad_arguments_get_one_line_errors(args, message):
-    proc = cli("demo", *args)
-    assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert "dtype=None" not in proc.stderr, "the command's words, not the Python API's"
+def test_bad_arguments_get_one_line_errors(args, message, command):
+    """Through the command's entry point in this process (test_bad_checkpoints_... and the test below run
+    the whole command in a process of its own): exit status 2 and one line, nothing raised."""
+    status, err = command("demo", *args)
+    assert status == 2, err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "dtype=None" not in err, "the command's words, not the Python API's"
     if args[0] == "--dtype":
-        assert f"--dtype {args[1]}:" in proc.stderr and "leave --dtype out" in proc.stderr
+        assert f"--dtype {args[1]}:" in err and "leave --dtype out" in err
 
 
 def test_amp_backend_variable_is_named_when_it_cannot_be_used():
@@ -122,7 +145,9 @@ def test_output_into_a_closed_pipe_is_not_an_error():
 
 
 @pytest.mark.slow
-def test_bad_checkpoints_get_clear_errors(tmp_path):
+def test_bad_checkpoints_get_clear_errors_before_any_data_or_model(tmp_path, monkeypatch, command):
+    from amp_backends.cli import demo
+
     good = tmp_path / "good.ckpt"
     assert cli("demo", "--epochs", "1", "--checkpoint", str(good), "--json").returncode == 0
     truncated = tmp_path / "truncated.ckpt"
@@ -140,13 +165,26 @@ def test_bad_checkpoints_get_clear_errors(tmp_path):
         (other_kind, [], "is a 'something-else' checkpoint"),
         (good, ["--dtype", "float16"], "was trained with dtype='torch.bfloat16' (this run: 'torch.float16')"),
         (good, ["--batch-size", "32"], "batch_size=64 (this run: 32)"),
+        (good, ["--epochs", "0"], "--epochs must be between 1 and 10000"),
         (tmp_path / "missing.ckpt", [], "no such checkpoint file"),
     ]
+
+    # The whole command in a process of its own once: exit status 2, one line, no traceback.
+    path, extra, message = cases[0]
+    proc = cli("demo", "--epochs", "2", "--resume", str(path), *extra)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+    # Every case through the same entry point, in this process: each is refused before the data are read
+    # or a model is built (either would raise here), so a bad --resume costs nothing.
+    def never(*args, **kwargs):
+        raise AssertionError("the demo read its data or built its model before checking --resume")
+
+    monkeypatch.setattr(demo, "load_digits", never)
+    monkeypatch.setattr(demo, "build_model", never)
     for path, extra, message in cases:
-        proc = cli("demo", "--epochs", "2", "--resume", str(path), *extra)
-        assert proc.returncode == 2, (path, proc.stdout)
-        assert message in proc.stderr, (message, proc.stderr)
-        assert "Traceback" not in proc.stderr
+        status, err = command("demo", "--epochs", "2", "--resume", str(path), *extra)
+        assert status == 2, (path, err)
+        assert message in err and len(err.strip().splitlines()) == 1, (message, err)
 
 
 @pytest.mark.slow
