@@ -194,11 +194,16 @@ ATTRIBUTES: tuple[Attribute, ...] = (
     Attribute("torch.UntypedStorage", "_cdata", "the storage's handle, what torch._C._storage_Use_Count takes",
               ("amp_backends/gradients/arena.py", "amp_backends/memory/chunked_loss.py", "amp_backends/testing/simdevice.py")),
     Attribute("torch.nn.modules.module", "_global_backward_hooks",
-              "emptied while a model runs isolated (read by name, with _global_backward_pre_hooks)",
-              ("amp_backends/tracing/isolation.py",)),
+              "emptied while a model runs isolated (read by name, with _global_backward_pre_hooks); read with "
+              "_global_forward_pre_hooks and _global_forward_hooks: a lever that substitutes saved tensors stands "
+              "aside where any is registered",
+              ("amp_backends/tracing/isolation.py", "amp_backends/memory/substitutes.py")),
     Attribute("torch.nn.Module", "_backward_hooks", "emptied while a model runs isolated (with _backward_pre_hooks); "
-              "a parameter's (Tensor._backward_hooks) carried onto its fp8 all-gather wrapper",
-              ("amp_backends/tracing/isolation.py", "amp_backends/precision/fp8/carry.py")),
+              "a parameter's (Tensor._backward_hooks) carried onto its fp8 all-gather wrapper; read with "
+              "_forward_pre_hooks and _forward_hooks: a lever that substitutes saved tensors stands aside where "
+              "a module has hooks of its user",
+              ("amp_backends/tracing/isolation.py", "amp_backends/precision/fp8/carry.py",
+               "amp_backends/memory/substitutes.py")),
     Attribute("torch.Tensor", "_post_accumulate_grad_hooks", "a parameter's hooks, emptied while a model runs isolated "
               "and carried onto its fp8 all-gather wrapper",
               ("amp_backends/tracing/isolation.py", "amp_backends/precision/fp8/carry.py")),

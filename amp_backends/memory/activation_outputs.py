@@ -81,8 +81,8 @@ def _tag(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or len(args) != 1
             or not isinstance(output, torch.Tensor) or not isinstance(args[0], torch.Tensor)
             or not output.requires_grad or output is args[0] or output._base is not None
-            or output.dtype != args[0].dtype):
-        return
+            or output.dtype != args[0].dtype or substitutes.others_hooked(module, _tag)):
+        return  # others' hooks may have replaced or edited the output: it is not then the function's
     fn = pure_function(module)
     if fn is not None:
         substitutes.substitute(output, args[0], fn, "an activation's input")

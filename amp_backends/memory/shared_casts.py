@@ -18,7 +18,9 @@ gradients are bitwise those without the lever. Where the input is already low pr
 residual stream, the CPU's LayerNorm under autocast) nothing is cast and nothing changes; nor inside a
 reentrant checkpoint's recomputation (Transformers' ``use_reentrant=True``), which runs in the backward
 after a forward without grad: there autocast casts as without the lever (its three gradients were summed
-in another order: 1e-6 apart on a small BERT).
+in another order: 1e-6 apart on a small BERT). Nor for a leaf that requires grad (learned queries), whose
+cast autocast caches itself, nor on a linear with hooks of its user (:func:`.substitutes.others_hooked`):
+they see its float32 input and gradient, as without the lever.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         return None
+    if x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled():
+        return None  # autocast caches its cast of a leaf that requires grad: one copy, as without the lever
+    if substitutes.others_hooked(module, _cast):
+        return None  # the layer's own hooks see its input and its input's gradient in float32, as without it
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return None

@@ -15,7 +15,10 @@ It asks torch which hooks are in force (``torch._C._autograd._top_saved_tensors_
 2.4 has none, and there nothing is substituted: :func:`available`). It does nothing under
 ``torch.compile`` (the compiler decides what to save) nor where saved-tensor hooks are disabled. A
 source edited in place between the forward and the backward is refused at the backward
-(:class:`SubstituteSourceEdited`), as autograd refuses an edited saved tensor.
+(:class:`SubstituteSourceEdited`), as autograd refuses an edited saved tensor. Under hooks in force
+before, only contiguous tensors are substituted (``save_on_cpu(pin_memory=True)`` stores a contiguous
+copy, and the op's backward then runs on that layout); the levers stand aside on a module with others'
+hooks (:func:`others_hooked`).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from torch import nn
 from .. import torch_private
 from ..errors import AmpBackendsError
 
-__all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "open_scope", "open_scope_in", "outermost", "owners",
-           "substitute"]
+__all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "open_scope", "open_scope_in", "others_hooked",
+           "outermost", "owners", "substitute"]
 
 
 class SubstituteSourceEdited(AmpBackendsError, RuntimeError):
@@ -77,12 +80,41 @@ class _Stored:
     """What is stored in place of a tagged tensor (or a view of it): the source, packed by the hooks in
     force before, and where the view lies in the tensor."""
 
-    __slots__ = ("make", "packed", "scope", "size", "source", "storage_offset", "stride", "version", "what")
+    __slots__ = ("base_layout", "make", "offset", "packed", "scope", "size", "source", "source_layout", "stride",
+                 "version", "what")
 
-    def __init__(self, scope: _Scope, packed: Any, tag: _Tag, view: torch.Tensor) -> None:
+    def __init__(self, scope: _Scope, packed: Any, tag: _Tag, view: torch.Tensor, base: torch.Tensor) -> None:
         self.scope, self.packed, self.make, self.what = scope, packed, tag.make, tag.what
         self.source, self.version = weakref.ref(tag.source), tag.source._version
-        self.size, self.stride, self.storage_offset = view.size(), view.stride(), view.storage_offset()
+        self.source_layout = (tag.source.size(), tag.source.stride())
+        self.size, self.stride = view.size(), view.stride()
+        self.offset = view.storage_offset() - base.storage_offset()  # where the view starts in the tensor
+        self.base_layout = (base.size(), base.stride())
+
+    def remake(self, source: torch.Tensor) -> torch.Tensor:
+        """The saved view, remade from ``source``. Hooks in force before may hand the source back in another
+        memory layout than it had (``save_on_cpu`` stores it contiguous): it is put back in its own first,
+        so that the remaking runs the same kernel on the same layout (bitwise what was saved, and in the
+        tagged tensor's layout, which the view's strides are of)."""
+        source = _laid_out(source, self.source_layout)
+        if self.make is None:
+            value = source
+        elif torch.is_autocast_enabled(source.device.type):  # a backward run inside autocast: not for this
+            with torch.autocast(source.device.type, enabled=False):
+                value = self.make(source)
+        else:
+            value = self.make(source)  # under create_graph grad mode is on: differentiable, as saved
+        value = _laid_out(value, self.base_layout)  # the kernel's own choice of layout, should it differ
+        if value.size() == self.size and value.stride() == self.stride and self.offset == 0:
+            return value
+        return value.as_strided(self.size, self.stride, value.storage_offset() + self.offset)
+
+
+def _laid_out(t: torch.Tensor, layout: tuple[torch.Size, tuple[int, ...]]) -> torch.Tensor:
+    """``t`` with the size and strides ``layout`` gives (a copy where they differ)."""
+    if (t.size(), t.stride()) == layout:
+        return t
+    return torch.empty_strided(*layout, dtype=t.dtype, device=t.device).copy_(t)
 
 
 class _Scope:
@@ -100,7 +132,12 @@ class _Scope:
                 or tag.source._version != tag.source_version):  # either edited since: saved as it is
             return t if self.outer_pack is None else self.outer_pack(t)
         source = tag.source
-        return _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t)
+        if self.outer_pack is not None and not (t.is_contiguous() and source.is_contiguous()):
+            # Hooks in force before may store a tensor in another layout (save_on_cpu stores it contiguous)
+            # and the op's backward then runs on that layout: a tensor not contiguous is handed to them as
+            # it is, so that its backward is the one it would have had (a remade copy would keep its strides).
+            return self.outer_pack(t)
+        return _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t, base)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Stored) or packed.scope is not self:
@@ -112,16 +149,7 @@ class _Scope:
                 f"(version {packed.version} -> {source._version}); the tensor the backward needs is remade "
                 "from it and would be wrong: edit a copy (x = x.clone()), or turn the memory_lean lever that "
                 "saves it this way off")
-        if packed.make is None:
-            value = source
-        elif torch.is_autocast_enabled(source.device.type):  # a backward run inside autocast: not for this
-            with torch.autocast(source.device.type, enabled=False):
-                value = packed.make(source)
-        else:
-            value = packed.make(source)  # under create_graph grad mode is on: differentiable, as saved
-        if value.size() == packed.size and value.stride() == packed.stride and packed.storage_offset == 0:
-            return value
-        return value.as_strided(packed.size, packed.stride, packed.storage_offset)
+        return packed.remake(source)
 
 
 _LOCAL = threading.local()
@@ -156,9 +184,26 @@ def _new_scope() -> _Scope | None:
     return scope
 
 
+def _unwind(key: int | None) -> None:
+    """Close this thread's entries down to ``key``'s (all of them for None), where one is on the stack: a
+    module's forward that a BaseException ended (a KeyboardInterrupt: torch runs always-call forward hooks
+    for an Exception only) left them open. A scope's hooks are taken out of force where they are still the
+    innermost; hooks put in force over them since are not touched."""
+    stack = _scopes()
+    if key is not None and all(entry[0] != key for entry in stack):
+        return
+    while stack:
+        entry, scope, _ = stack.pop()
+        if scope is not None and _top_pack() == scope.pack:
+            scope.context.__exit__(None, None, None)
+        if entry == key:
+            return
+
+
 def _running(module: nn.Module, args: Any) -> None:
     """Forward pre-hook of an owner: it runs; a scope may be opened inside it (:func:`open_scope`)."""
     if not torch.compiler.is_compiling():
+        _unwind(id(module))  # its entry still there: its last forward was interrupted
         _scopes().append((id(module), None, _top_pack()))
 
 
@@ -178,6 +223,7 @@ def open_scope() -> None:
 def open_scope_in(module: nn.Module) -> None:
     """From a forward pre-hook of ``module`` (one :func:`closing` closes): substitute tagged tensors
     until its forward ends (a layer given a tagged input)."""
+    _unwind(id(module))  # its entry still there: its last forward was interrupted
     scope = _new_scope()
     if scope is not None:
         _scopes().append((id(module), scope, None))
@@ -218,6 +264,27 @@ def closing(modules: Iterable[nn.Module]) -> list[Any]:
     return [module.register_forward_hook(_leave, always_call=True) for module in modules]
 
 
+#: Modules whose hooks only observe (the memory ledger's attribution by module): they change nothing a lever does.
+_OBSERVERS = frozenset({"amp_backends.memory.ledger", __name__})
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def others_hooked(module: nn.Module, own: Callable[..., Any]) -> bool:
+    """Whether hooks other than the lever's ``own`` (and the package's observers) run around ``module``:
+    its own forward, forward-pre and backward hooks, or any registered for every module. A lever that
+    changes what a layer's hooks would be given (a cast input, a tagged output) stands aside there, so that
+    they see and return what they would without it."""
+    hooks = module._forward_pre_hooks, module._forward_hooks
+    if module._backward_hooks or module._backward_pre_hooks:
+        return True
+    if any(hook is not own and getattr(hook, "__module__", None) not in _OBSERVERS
+           for table in hooks for hook in table.values()):
+        return True
+    registry = torch.nn.modules.module
+    return any(getattr(registry, name, None) for name in _GLOBAL_HOOKS)
+
+
 class Hooked:
     """What a lever that substitutes saved tensors turned on: :attr:`modules`, the layers it hooked, and
     the hooks' handles; :meth:`remove` takes them off."""
@@ -232,6 +299,8 @@ class Hooked:
         return bool(self.modules) and available()
 
     def remove(self) -> None:
+        """Takes the hooks off, and closes what an interrupted forward left open on this thread."""
         for handle in self._handles:
             handle.remove()
         self._handles, self.modules = [], []
+        _unwind(None)

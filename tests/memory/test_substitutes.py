@@ -550,3 +550,206 @@ def test_on_a_device_whose_autocast_runs_layer_norm_in_float32_the_lean_step_kee
     assert out["False"]["loss"] == out["True"]["loss"] and out["False"]["grads"] == out["True"]["grads"]
     assert ("autocast's copies shared by 10 linears" in out["True"]["repr"]) == ACTIVE, out["True"]["repr"]
     assert "GELUs fused" not in out["True"]["repr"], "none written out here: the lever is not named"
+
+
+# -- what others hand the levers: layouts, leaves, their own hooks ---------------------------------
+class _Transposed(nn.Module):
+    """A GELU on a transposed tensor, its output the next linear's input (strides (1, 24))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(8, 24), nn.GELU(), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x).t()))
+
+
+class _ChannelsLast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.act, self.c2 = nn.Conv2d(3, 8, 3), nn.SiLU(), nn.Conv2d(8, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.act(self.c1(x)))
+
+
+class _Siblings(nn.Module):
+    """Two sibling linears read one transposed float32 activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x * 2).t()
+        return self.q(h) * self.k(h)
+
+
+def _grads_with_and_without(build, x: torch.Tensor, hooks, autocast: bool = False, prepare=None):  # type: ignore[no-untyped-def]
+    """Parameter (and input) gradients of the same model without and with both levers."""
+    out = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = build()
+        if isinstance(model, _ChannelsLast):
+            model = model.to(memory_format=torch.channels_last)
+        if prepare is not None:
+            prepare(model)
+        if on:
+            recompute_activation_outputs(model)
+            share_casts(model)
+        leaf = x.detach().clone().requires_grad_(x.requires_grad)
+        with hooks(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(leaf).float().pow(2).sum()
+        loss.backward()
+        out.append([p.grad for p in model.parameters()] + ([leaf.grad] if leaf.requires_grad else []))
+    return out
+
+
+@pytest.mark.parametrize("case", ["transposed", "channels-last", "siblings-transposed"])
+def test_hooks_before_that_store_tensors_contiguous_get_the_layout_the_op_saved(case: str) -> None:
+    """``save_on_cpu(pin_memory=True)`` stores what it is handed as a contiguous copy: a source handed to
+    it not contiguous (an activation of a transposed tensor, a channels-last convolution's, a transposed
+    input of sibling linears whose first copy a hook keeps alive) was remade from that copy and read with
+    the original strides, silently wrong gradients (off by 4 to 50). Bitwise now: such tensors are handed
+    to the hooks before as they are."""
+    import contextlib
+
+    kept: list[torch.Tensor] = []
+
+    def keep_first_input(model: nn.Module) -> None:  # keeps q's bf16 copy alive past the forward
+        model.q.register_forward_hook(lambda mod, args, out: kept.append(args[0]))  # type: ignore[union-attr]
+
+    build, x, autocast, prepare = {
+        "transposed": (_Transposed, torch.randn(6, 8), False, None),
+        "channels-last": (_ChannelsLast, torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last), False, None),
+        "siblings-transposed": (_Siblings, torch.randn(8, 6), True, keep_first_input),
+    }[case]
+    for hooks in (contextlib.nullcontext, lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)):
+        plain, lever = _grads_with_and_without(build, x, hooks, autocast, prepare)
+        assert all(torch.equal(a, b) for a, b in zip(plain, lever)), [(a - b).abs().max() for a, b in zip(plain, lever)]
+
+
+class _Latents(nn.Module):
+    """Learned queries read by sibling linears: a leaf that requires grad, which autocast casts once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(4, 16))
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.q(self.latents) * self.k(self.latents) + self.v(self.latents)).sum() * x.sum()
+
+
+def test_a_leaf_that_requires_grad_keeps_autocasts_one_cached_copy() -> None:
+    """Autocast caches its cast of a leaf that requires grad (learned queries, an input whose gradient is
+    asked for): one bf16 copy, the siblings' gradients summed in bf16. Casting it once per linear summed
+    them in float32 instead: the leaf's gradient changed (by 0.008 here). Left to autocast, bitwise."""
+    plain, lever = _grads_with_and_without(_Latents, torch.randn(2), __import__("contextlib").nullcontext, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, lever))
+    x = torch.randn(8, 16, requires_grad=True)  # the same for an input leaf (its gradient asked for)
+    plain, lever = _grads_with_and_without(_LeafReadTwice, x, __import__("contextlib").nullcontext, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, lever))
+
+
+class _LeafReadTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x) * self.k(x)
+
+
+def _steer(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:  # type: ignore[type-arg]
+    return out * 2
+
+
+def _clamp_in_place(module: nn.Module, args: tuple, out: torch.Tensor) -> None:  # type: ignore[type-arg]
+    out.clamp_(max=0.1)
+
+
+@pytest.mark.parametrize("where", ["activation", "activation-in-place", "sibling-pre-hook", "sibling-backward-hook",
+                                   "every-module"])
+def test_the_users_own_hooks_see_and_return_what_they_would_without_the_levers(where: str) -> None:
+    """A forward hook on the activation that steers or clamps its output, a pre-hook or a full backward
+    hook on a sibling linear, a hook on every module (registered after the levers): the levers stand aside
+    where others' hooks run (the recomputed output would have been the unhooked function's, the hooks would
+    have been handed bf16 copies), so the gradients are bitwise those without them."""
+    seen: list[torch.dtype] = []
+
+    def prepare(model: nn.Module) -> None:
+        if where == "activation":
+            model.act.register_forward_hook(_steer)  # type: ignore[union-attr]
+        if where == "activation-in-place":
+            model.act.register_forward_hook(_clamp_in_place)  # type: ignore[union-attr]
+        if where == "sibling-backward-hook":
+            model.k.register_full_backward_hook(  # type: ignore[union-attr]
+                lambda mod, gi, go: (seen.append(gi[0].dtype), (gi[0] * 0.3,))[1])
+
+    x = torch.randn(4, 8, requires_grad=True)
+    build = _Mlp if where.startswith("activation") or where == "every-module" else (lambda: _Projections(False))
+    args = (x, torch.randn(4, 8)) if build is not _Mlp else (x,)
+    handle = None
+    if where == "every-module":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, a, out: out * 2 if isinstance(mod, nn.GELU) else None)
+    try:
+        results = []
+        for on in (False, True):
+            torch.manual_seed(0)
+            model = build()
+            prepare(model)
+            if on:
+                recompute_activation_outputs(model)
+                share_casts(model)
+            if where == "sibling-pre-hook":  # after the levers' own: it runs after their cast
+                model.k.register_forward_pre_hook(lambda mod, a: (a[0] * 1.1, *a[1:]))  # type: ignore[union-attr]
+            x.grad = None
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(*args).float().pow(2).sum()
+            loss.backward()
+            results.append([x.grad.clone(), *[p.grad for p in model.parameters()]])
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(*results)), [(a - b).abs().max() for a, b in zip(*results)]
+    if where == "sibling-backward-hook":
+        assert seen == [torch.float32, torch.float32], "the hook sees the float32 input's gradient, as without the lever"
+
+
+@pytest.mark.parametrize("then", ["next-step", "remove"])
+def test_a_forward_a_keyboard_interrupt_ends_leaves_no_hooks_in_force_after_the_next_step_or_remove(then: str) -> None:
+    """torch runs always-call forward hooks for an Exception only: a KeyboardInterrupt inside a block
+    after its scope opened left the lever's saved-tensor hooks in force for the rest of the process
+    (torch.func's transforms refuse to run under them). The block's next forward, or ``remove()``, closes
+    what was left open; the next step's gradients are bitwise those of an uninterrupted run."""
+    top = torch_private.top_saved_tensors_hooks
+    x = torch.randn(4, 8)
+
+    def interrupt(module: nn.Module, args: tuple) -> None:  # type: ignore[type-arg]
+        raise KeyboardInterrupt
+
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad()
+        model(x).pow(2).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(_Mlp()), nn.Sequential(_Mlp()))
+    handle = recompute_activation_outputs(model)
+    clean = grads(model)
+    inside = model[0][0].down.register_forward_pre_hook(interrupt)  # type: ignore[index,union-attr]
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    inside.remove()
+    if ACTIVE:
+        assert top is not None and top(False) is not None, "the interrupted block's scope was left open"
+    if then == "next-step":
+        assert all(torch.equal(a, b) for a, b in zip(clean, grads(model)))
+    else:
+        handle.remove()
+    assert top is None or top(False) is None, "nothing left in force"
+    w = torch.randn(3)
+    torch.testing.assert_close(torch.func.grad(lambda v: (v * v).sum())(w), 2 * w)
