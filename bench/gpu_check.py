@@ -10,7 +10,8 @@ Parts, each with a hard time budget (a part past it is stopped and recorded as t
 own try/except (a part that fails is recorded with its error; the others still run):
 
 1. ``tests``: the suite's GPU tests (tests/plugins/test_cuda.py, test_triton_kernels.py, test_fp8.py, and
-   test_memory.py's allocator tests) through pytest in a process of its own;
+   test_memory.py's allocator tests) through pytest in a process of its own (8 xdist workers where
+   pytest-xdist is installed);
 2. ``memory``: ``amp-backends bench --memory``'s measurement, each mode alone on the allocator
    (fp32, AMP per dtype, lean-bf16, lean-bf16-sr where torchao is installed), on the bench models and
    the Transformers/torchvision ones;
@@ -37,6 +38,7 @@ import datetime
 import gc
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -67,6 +69,8 @@ SMOKE_BUDGET = 45.0
 GPU_TESTS = ["tests/plugins/test_cuda.py", "tests/plugins/test_triton_kernels.py", "tests/precision/test_fp8.py", "tests/memory/test_memory.py"]
 #: every test of the files above but test_memory.py's, of which only the allocator's
 GPU_TESTS_K = "allocator or not test_memory"
+#: pytest-xdist workers for the GPU tests (one GPU, a process each: their compiles run side by side)
+TEST_WORKERS = 8
 SMOKE_TESTS = ["tests/cli/test_bench.py"]
 SMOKE_TESTS_K = "round_times or fp8_gets"
 
@@ -162,7 +166,9 @@ def _env() -> dict[str, str]:
 def part_tests(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     """The suite's GPU tests (a CPU smoke run: two of the bench's own tests), pytest in its own process."""
     files, k = (SMOKE_TESTS, SMOKE_TESTS_K) if ctx["smoke"] else (GPU_TESTS, GPU_TESTS_K)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", k, *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "--maxfail=10", "-p", "no:cacheprovider", "-k", k, *files]
+    if not ctx["smoke"] and importlib.util.find_spec("xdist") is not None:
+        cmd[3:3] = ["-n", str(TEST_WORKERS)]  # Triton's compiles and the fp8 tests' in parallel: 120 s held one
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=budget)
     except subprocess.TimeoutExpired as exc:
@@ -265,8 +271,8 @@ def part_fp8(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
 
 def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     """BERT's fp16 step through amp_backends and through torch.amp, each step timed alone (device
-    events), with its host syncs, garbage collections, the Triton kernel's block tables built (a table is
-    cached per set of gradient addresses: new addresses, a new table) and one step's ops dispatched:
+    events), with its host syncs, garbage collections, the Triton kernel's blocks cut on the host (once per
+    set of gradient sizes: a new arrangement of the same gradients is only placed) and one step's ops dispatched:
     first each mode's steps back to back, then the two interleaved as the time bench's rounds run them
     (another mode's step between, which can move the caching allocator's blocks). What an intermittent
     cost of the adapter is, and which steps it hit."""
@@ -285,7 +291,7 @@ def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     steps = 2 if ctx["smoke"] else 40
     cuda = torch.cuda.is_available()
     timer, _ = bench.step_timer(be)
-    tables = _TableCount()
+    cuts = _CutCount()
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
@@ -297,11 +303,11 @@ def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
             return func(*args, **(kwargs or {}))
 
     def timed(step: Callable[[], None], seen_gc: list[int]) -> dict[str, Any]:
-        before, built = len(seen_gc), tables.calls
+        before, built = len(seen_gc), cuts.calls
         with _sync_warnings(cuda) as warned:
             ms = 1e3 * timer(step, 1)
         return {"ms": ms, "syncs": len(warned) if cuda else None, "gc": len(seen_gc) - before,
-                "tables_built": tables.calls - built}
+                "cuts_built": cuts.calls - built}
 
     def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         per = [r["ms"] for r in records]
@@ -310,7 +316,7 @@ def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
                 "slow_steps": [i for i, t in enumerate(per) if t > slow],
                 "host_syncs_per_step": [r["syncs"] for r in records] if cuda else "n/a (CUDA's sync debug mode only)",
                 "gc_collections_per_step": [r["gc"] for r in records],
-                "triton_tables_built_per_step": [r["tables_built"] for r in records]}
+                "triton_cuts_built_per_step": [r["cuts_built"] for r in records]}
 
     out: dict[str, Any] = {"model": name, "size": size, "batch": batch, "steps": steps}
     made: dict[str, Callable[[], None]] = {}
@@ -344,7 +350,7 @@ def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
             out["interleaved"] = {m: summary(v) for m, v in records.items()}
     finally:
         gc.callbacks.remove(on_gc)
-        tables.restore()
+        cuts.restore()
     amp, ref = out.get("amp-float16", {}), out.get("torch-float16", {})
     if "median_ms" in amp and "median_ms" in ref:
         out["overhead_median"] = amp["median_ms"] / ref["median_ms"]
@@ -354,9 +360,10 @@ def part_scaler(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     return out
 
 
-class _TableCount:
-    """Counts the Triton kernel's block tables built (read-only instrumentation; nothing where the
-    plugin does not import)."""
+class _CutCount:
+    """Counts the Triton kernel's blocks cut on the host (``_cuts``: per block, the work a new set of
+    gradient sizes costs; a new arrangement of the same sizes is only placed on the device).
+    Read-only instrumentation; nothing where the plugin does not import."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -365,16 +372,16 @@ class _TableCount:
             from amp_backends_plugins.triton import _kernels
         except Exception:  # noqa: BLE001 - no Triton: nothing to count
             return
-        self._module, self._real = _kernels, _kernels._table
+        self._module, self._real = _kernels, _kernels._cuts
 
         def counting(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return self._real(*args, **kwargs)
-        _kernels._table = counting
+        _kernels._cuts = counting
 
     def restore(self) -> None:
         if self._module is not None:
-            self._module._table = self._real
+            self._module._cuts = self._real
 
 
 @contextlib.contextmanager
@@ -494,12 +501,12 @@ def _summary(name: str, rec: dict[str, Any]) -> str:
                          if x.get("speedup_vs_bf16") is not None)
     if name == "scaler":
         parts = [f"{m} median {r[m]['median_ms']:.1f} ms max {r[m]['max_ms']:.1f} slow steps {r[m]['slow_steps']} "
-                 f"tables built {sum(r[m]['triton_tables_built_per_step'])}"
+                 f"blocks cut {sum(r[m]['triton_cuts_built_per_step'])}"
                  for m in ("amp-float16", "torch-float16") if "median_ms" in r.get(m, {})]
         inter = r.get("interleaved", {}).get("amp-float16")
         if inter:
-            parts.append(f"interleaved: amp median {inter['median_ms']:.1f} max {inter['max_ms']:.1f}, tables built "
-                         f"{sum(inter['triton_tables_built_per_step'])}; overhead {r['overhead_median_interleaved']:.3f}")
+            parts.append(f"interleaved: amp median {inter['median_ms']:.1f} max {inter['max_ms']:.1f}, blocks cut "
+                         f"{sum(inter['triton_cuts_built_per_step'])}; overhead {r['overhead_median_interleaved']:.3f}")
         return "; ".join(parts)
     return ""
 

@@ -6,8 +6,11 @@
     python bench/lean_profile.py --smoke                  # mlp, small, on a CPU
 
 For each model and mode: the step's time (median of the profiled steps, device events where the device
-has them), the host time the step spends in Python and dispatch, and the ops that take the most device
-(else host) time, so a lean lever that costs more than it should shows which op it is.
+has them), the host time the step spends in Python and dispatch, the device's busy time (the sum of its
+kernels' own times: well under the step's time, the step waits on the host), the ops that take the most
+device (else host) time and those that take the most host time of their own, so a lean lever or a
+scaler that costs more than it should shows which op it is (``AMP_BACKENDS_KERNEL=torch`` runs the
+scaler's gradient op on torch's kernel, for comparison).
 """
 
 from __future__ import annotations
@@ -68,10 +71,17 @@ def profile(name: str, mode_name: str, size: str, steps: int, top: int) -> dict[
         key = "cuda_time_total"
     ops = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:top]
     rows = [{"op": e.key, "calls": e.count // steps, "ms_per_step": getattr(e, key, 0.0) / 1e3 / steps} for e in ops]
+    # the host's side: each op's own CPU time (a host sync's wait lands on the op that waits)
+    by_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    host_rows = [{"op": e.key, "calls": e.count // steps, "ms_per_step": e.self_cpu_time_total / 1e3 / steps}
+                 for e in by_host]
+    self_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    busy = sum(getattr(e, self_key, 0.0) for e in events) / 1e3 / steps if cuda else None
     del model, opt, step
     be.synchronize()
     return {"model": name, "mode": mode_name, "step_ms": statistics.median(times),
-            "host_ms": statistics.median(host), "by": key, "top": rows}
+            "host_ms": statistics.median(host), "device_busy_ms": busy, "by": key, "top": rows,
+            "host_top": host_rows, "ops_per_step": sum(e.count for e in events) // steps}
 
 
 #: memory_lean's switches that are on by default, all off: each lever below is timed alone
@@ -151,8 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes.split(","):
             r = profile(name, mode, size, 2 if args.smoke else args.steps, args.top)
             out.append(r)
-            print(f"\n{name} {mode}: step {r['step_ms']:.1f} ms, host {r['host_ms']:.1f} ms ({r['by']})")
+            busy = "" if r["device_busy_ms"] is None else f", device busy {r['device_busy_ms']:.1f} ms"
+            print(f"\n{name} {mode}: step {r['step_ms']:.1f} ms, host {r['host_ms']:.1f} ms{busy}, "
+                  f"{r['ops_per_step']} profiled events a step ({r['by']})")
             for row in r["top"]:
+                print(f"  {row['ms_per_step']:8.2f} ms  {row['calls']:5d}x  {row['op'][:90]}")
+            print("  host, each op's own CPU time:")
+            for row in r["host_top"]:
                 print(f"  {row['ms_per_step']:8.2f} ms  {row['calls']:5d}x  {row['op'][:90]}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -22,7 +22,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -78,6 +78,9 @@ KERNEL_DTYPES = TritonKernel.handles_dtypes
 #: table instead of building and copying a new one).
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 _LAYOUTS: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+#: Blocks cut by the gradients' sizes and heads (:func:`_cuts`): a new arrangement of the same
+#: gradients, which the caching allocator can make every step, is placed from the cut already made.
+_CUTS: OrderedDict[tuple, tuple[torch.Tensor, ...]] = OrderedDict()
 _TABLE_CACHE_SIZE = 16
 #: Lists up to this long are summed on every call to pick torch's op or Triton's (under 3 us).
 _SCAN_UP_TO = 64
@@ -210,22 +213,46 @@ def _table(offsets: Sequence[int], numels: Sequence[int], device: torch.device, 
     bucket, packed after a 37-element bias) gets a head block up to the boundary; the rest is cut
     into blocks from there, so each of its full blocks starts on the boundary and is vectorized.
     A tensor that starts on one (every allocation, every arena slot) is cut from its own start:
-    its blocks, partial sums and norm are the same wherever it lives."""
-    offs = torch.tensor(offsets, dtype=torch.int64)
+    its blocks, partial sums and norm are the same wherever it lives.
+
+    The cut depends on the sizes and heads alone (:func:`_cuts`, cached); placing it at these
+    offsets is one copy of one offset per tensor and two small ops on the device, so gradients that
+    the allocator puts elsewhere every step cost the host no work per block."""
+    numels = tuple(numels)
+    heads = tuple(min(-o % vec, n) for o, n in zip(offsets, numels))
+    key = (device, block, numels, heads)
+    cut = _CUTS.get(key)
+    if cut is None:
+        cut = _cuts(heads, numels, device, block)
+    _remember(_CUTS, key, cut)
+    owner, local, lengths = cut
+    where = _to_device(torch.tensor(offsets, dtype=torch.int64), device)
+    return where.index_select(0, owner).add_(local), lengths
+
+
+def _cuts(heads: tuple[int, ...], numels: tuple[int, ...], device: torch.device,
+          block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block: the tensor it belongs to, its start within that tensor and its length (a head block
+    of ``heads[i]`` elements first where that is not 0, then full blocks), on ``device``."""
+    head = torch.tensor(heads, dtype=torch.int64)
     sizes = torch.tensor(numels, dtype=torch.int64)
-    head = torch.minimum(torch.remainder(-offs, vec), sizes)
     body = sizes - head
     has_head = (head > 0).to(torch.int64)
     count = has_head + (body + block - 1) // block
-    owner = torch.repeat_interleave(torch.arange(len(offsets)), count)
+    owner = torch.repeat_interleave(torch.arange(len(numels)), count)
     first = torch.cumsum(count, 0) - count
     k = torch.arange(int(count.sum())) - first[owner] - has_head[owner]  # -1: the head block
     in_head = k < 0
-    starts = torch.where(in_head, offs[owner], offs[owner] + head[owner] + k * block)
+    local = torch.where(in_head, 0, head[owner] + k * block)
     lengths = torch.where(in_head, head[owner], torch.clamp(body[owner] - k * block, max=block)).to(torch.int32)
-    if device.type == "cuda":  # from pageable memory CUDA waits for the stream first: a host sync per new table
-        starts, lengths = starts.pin_memory(), lengths.pin_memory()
-    return starts.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
+    return _to_device(owner, device), _to_device(local, device), _to_device(lengths, device)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the host) copied to ``device`` without a host sync."""
+    if device.type == "cuda":  # from pageable memory CUDA waits for the stream first: a host sync
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _aligned_base(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -257,8 +284,7 @@ def _block_table(
     return table
 
 
-def _remember(cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]], key: tuple,
-              table: tuple[torch.Tensor, torch.Tensor]) -> None:
+def _remember(cache: OrderedDict[tuple, Any], key: tuple, table: Any) -> None:
     """Keep ``table`` under ``key``, the least recently used entry dropped past the cache's size."""
     cache[key] = table
     cache.move_to_end(key)
