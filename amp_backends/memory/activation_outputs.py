@@ -86,7 +86,7 @@ def _tag(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     fn = pure_function(module)
     if fn is not None:
         substitutes.substitute(output, args[0], fn, "an activation's input")
-        substitutes.open_scope()  # until the block's forward ends: its consumer comes later in it
+        substitutes.open_scope(output)  # until its consumer, later in the block, saves it
 
 
 class ActivationOutputs(substitutes.Hooked):

@@ -94,7 +94,7 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     earlier = first.copy() if first is not None and first.x() is x else None
     if earlier is not None and first is not None and first.version == x._version and first.dtype == dtype:
         substitutes.substitute(copy, earlier, None, "autocast's first copy of an activation")
-        substitutes.open_scope_in(module)  # for this layer's forward: it saves the copy
+        substitutes.open_scope_in(module, copy)  # until this layer saves the copy
     else:
         _FIRST[id(x)] = _First(x, copy)
     return (copy, *args[1:])

@@ -2,12 +2,13 @@
 
 A lever tags a tensor with its *source* and how to remake it (:func:`substitute`): an activation's
 output with the activation's input and its function (:mod:`.activation_outputs`), a second copy autocast
-makes of one activation with the first copy (:mod:`.shared_casts`). From the tagging to the end of the
-forward of the module it happened in (:func:`open_scope` inside an owner block, :func:`open_scope_in` a
-layer), a ``saved_tensors_hooks`` pair stores, in place of a tagged tensor or a view of it that an op
+makes of one activation with the first copy (:mod:`.shared_casts`). From the tagging until the tagged
+tensor is saved, at the latest to the end of the forward of the module it happened in (:func:`open_scope`
+inside an owner block, :func:`open_scope_in` a layer), a ``saved_tensors_hooks`` pair stores, in place of a tagged tensor or a view of it that an op
 saves, its source, and remakes the tensor from it when the backward asks (the remaking runs with
 autocast off, so it is the same kernel on the same input: bitwise what was saved). The hooks see only
-the saves after a tag in its block: each costs a Python call at the forward and one at the backward.
+the saves from a tag to its consumer's: each costs a Python call at the forward and one at the backward.
+A save of a tagged tensor after its scope closed (a second consumer) keeps the tensor itself.
 
 Composes with the hooks already in force (torch's checkpoint, ``save_on_cpu``, the memory ledger): what
 it does not replace goes to them as before, and for a tagged tensor they are handed the source instead.
@@ -118,12 +119,25 @@ def _laid_out(t: torch.Tensor, layout: tuple[torch.Size, tuple[int, ...]]) -> to
 
 
 class _Scope:
-    """The pack and unpack hooks of one scope, over the hooks in force when it began (or none)."""
+    """The pack and unpack hooks of one scope, over the hooks in force when it began (or none).
+
+    It closes itself once each tag made for it has been substituted (:attr:`pending` empty: the consumer
+    saved it), so that the rest of the block's saves cost no Python call; else at its block's end."""
 
     def __init__(self, outer: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
         self.outer_pack: Callable[[torch.Tensor], Any] | None = outer[0] if outer is not None else None
         self.outer_unpack: Callable[[Any], torch.Tensor] | None = outer[1] if outer is not None else None
         self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        #: ids of the tagged tensors made for this scope and not yet saved
+        self.pending: set[int] = set()
+        self.closed = False
+
+    def close(self) -> None:
+        """Take the hooks out of force (once; where they are the innermost: hooks put in force over them
+        are not touched, and these stay until those are gone)."""
+        if not self.closed and _top_pack() == self.pack:
+            self.closed = True
+            self.context.__exit__(None, None, None)
 
     def pack(self, t: torch.Tensor) -> Any:
         base = t if t._base is None else t._base
@@ -137,7 +151,12 @@ class _Scope:
             # and the op's backward then runs on that layout: a tensor not contiguous is handed to them as
             # it is, so that its backward is the one it would have had (a remade copy would keep its strides).
             return self.outer_pack(t)
-        return _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t, base)
+        stored = _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t, base)
+        if self.pending:
+            self.pending.discard(id(base))
+            if not self.pending:  # every tag made for it saved: the op's later saves go to the hooks below
+                self.close()
+        return stored
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Stored) or packed.scope is not self:
@@ -194,8 +213,8 @@ def _unwind(key: int | None) -> None:
         return
     while stack:
         entry, scope, _ = stack.pop()
-        if scope is not None and _top_pack() == scope.pack:
-            scope.context.__exit__(None, None, None)
+        if scope is not None:
+            scope.close()
         if entry == key:
             return
 
@@ -207,25 +226,34 @@ def _running(module: nn.Module, args: Any) -> None:
         _scopes().append((id(module), None, _top_pack()))
 
 
-def open_scope() -> None:
-    """Substitute tagged tensors from now until the innermost running owner's forward ends (a tag made
-    inside it, an activation's output, is saved by a later op of the same block). Nothing where no owner
-    runs (its forward called directly, without its hooks, as a checkpoint's recomputation calls it), a
-    scope is open already, or other saved-tensor hooks were put in force inside the owner (a checkpoint
-    of its forward: which saves it keeps is then its own, the same in the forward and its recomputation)."""
+def open_scope(tagged: torch.Tensor) -> None:
+    """Substitute tagged tensors from now until ``tagged`` (just tagged) is saved, at the latest until the
+    innermost running owner's forward ends (a tag made inside it, an activation's output, is saved by a
+    later op of the same block). Nothing where no owner runs (its forward called directly, without its
+    hooks, as a checkpoint's recomputation calls it), or other saved-tensor hooks were put in force inside
+    the owner (a checkpoint of its forward: which saves it keeps is then its own, the same in the forward
+    and its recomputation). A scope open already takes ``tagged`` as well."""
     stack = _scopes()
-    if stack and stack[-1][1] is None and _top_pack() is stack[-1][2]:
+    if not stack:
+        return
+    scope = stack[-1][1]
+    if scope is None or scope.closed:
+        if _top_pack() is not stack[-1][2]:
+            return
         scope = _new_scope()
-        if scope is not None:
-            stack[-1] = (stack[-1][0], scope, stack[-1][2])
+        if scope is None:
+            return
+        stack[-1] = (stack[-1][0], scope, stack[-1][2])
+    scope.pending.add(id(tagged))
 
 
-def open_scope_in(module: nn.Module) -> None:
+def open_scope_in(module: nn.Module, tagged: torch.Tensor) -> None:
     """From a forward pre-hook of ``module`` (one :func:`closing` closes): substitute tagged tensors
-    until its forward ends (a layer given a tagged input)."""
+    until ``tagged`` (its input, just tagged) is saved, at the latest until its forward ends."""
     _unwind(id(module))  # its entry still there: its last forward was interrupted
     scope = _new_scope()
     if scope is not None:
+        scope.pending.add(id(tagged))
         _scopes().append((id(module), scope, None))
 
 
@@ -236,7 +264,8 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
     stack = _scopes()
     if stack and stack[-1][0] == id(module):  # else nothing was pushed for it (or its pre-hook never ran)
         scope = stack.pop()[1]
-        if scope is not None:
+        if scope is not None and not scope.closed:
+            scope.closed = True
             scope.context.__exit__(None, None, None)
 
 
@@ -266,23 +295,26 @@ def closing(modules: Iterable[nn.Module]) -> list[Any]:
 
 #: Modules whose hooks only observe (the memory ledger's attribution by module): they change nothing a lever does.
 _OBSERVERS = frozenset({"amp_backends.memory.ledger", __name__})
-_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
+#: torch's tables of hooks registered for every module (dictionaries it fills and empties in place)
+_GLOBAL_TABLES = tuple(table for table in (
+    getattr(torch.nn.modules.module, name, None) for name in (
+        "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
+    if table is not None)
 
 
 def others_hooked(module: nn.Module, own: Callable[..., Any]) -> bool:
     """Whether hooks other than the lever's ``own`` (and the package's observers) run around ``module``:
     its own forward, forward-pre and backward hooks, or any registered for every module. A lever that
     changes what a layer's hooks would be given (a cast input, a tagged output) stands aside there, so that
-    they see and return what they would without it."""
-    hooks = module._forward_pre_hooks, module._forward_hooks
-    if module._backward_hooks or module._backward_pre_hooks:
+    they see and return what they would without it. (Called at every forward of a hooked layer: written
+    for the fewest Python calls.)"""
+    if module._backward_hooks or module._backward_pre_hooks or any(_GLOBAL_TABLES):
         return True
-    if any(hook is not own and getattr(hook, "__module__", None) not in _OBSERVERS
-           for table in hooks for hook in table.values()):
-        return True
-    registry = torch.nn.modules.module
-    return any(getattr(registry, name, None) for name in _GLOBAL_HOOKS)
+    for table in (module._forward_pre_hooks, module._forward_hooks):
+        for hook in table.values():
+            if hook is not own and hook is not _leave and getattr(hook, "__module__", None) not in _OBSERVERS:
+                return True
+    return False
 
 
 class Hooked:

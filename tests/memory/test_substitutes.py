@@ -753,3 +753,91 @@ def test_a_forward_a_keyboard_interrupt_ends_leaves_no_hooks_in_force_after_the_
     assert top is None or top(False) is None, "nothing left in force"
     w = torch.randn(3)
     torch.testing.assert_close(torch.func.grad(lambda v: (v * v).sum())(w), 2 * w)
+
+
+#: saves a layer from the activation's output to its consumer's, that one included: GPT-2's c_proj and BERT's
+#: output dense save their input and weight; Llama's up projection (input, weight) runs between, then the product
+_SAVES_TO_CONSUMER = {"gpt2": 2, "bert": 2, "llama": 4}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_scope_closes_once_its_tagged_tensor_is_saved(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hooks run for the saves after a tag only until the tag's consumer saves it (each later save of
+    the block would cost a Python call at the forward and one at the backward): on GPT-2, BERT and Llama only
+    the saves up to the consumer's pass through them (2, 2 and 4 a layer, where a scope open to the block's
+    end passed 3, 8 and 6), one of them substituted; the
+    bytes saved are those the hooks open to the block's end gave (one tensor of the inner width less a
+    layer), and the gradients are bitwise those without the lever (none of it on torch 2.4: nothing there)."""
+    from amp_backends.memory import substitutes
+
+    calls = {"pack": 0, "stored": 0}
+    real_pack, real_stored = substitutes._Scope.pack, substitutes._Stored.__init__
+
+    def pack(self, t):  # type: ignore[no-untyped-def]
+        calls["pack"] += 1
+        return real_pack(self, t)
+
+    def stored(self, *args):  # type: ignore[no-untyped-def]
+        calls["stored"] += 1
+        real_stored(self, *args)
+
+    monkeypatch.setattr(substitutes._Scope, "pack", pack)
+    monkeypatch.setattr(substitutes._Stored, "__init__", stored)
+    x = torch.randint(0, 64, TOKENS)
+    plain = _build(name)
+    fused_activations(plain)
+    before = _saved_bytes(plain, name, x)[1]
+    model, _ = _with_lever(name)
+    after = _saved_bytes(model, name, x)[1]
+    layers = 2 if ACTIVE else 0  # torch 2.4: nothing substituted, no scope opened
+    assert before - after == layers * TOKENS[0] * TOKENS[1] * MODELS[name][1] * 2, (before, after)
+    calls.update(pack=0, stored=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _loss(model, name, x)
+    assert calls["stored"] == layers and calls["pack"] <= _SAVES_TO_CONSUMER[name] * layers, calls
+    loss.backward()  # the substituted saves remade
+    model.zero_grad(set_to_none=True)
+    _assert_bitwise(_step(plain, name, torch.bfloat16, x), _step(model, name, torch.bfloat16, x))
+
+
+class _TwoMlps(nn.Module):  # one owner block, two activations in it: a scope for each, one after the other
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = _Mlp(), _Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _TwoMlps()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+def test_a_second_tag_in_a_block_whose_first_scope_closed_opens_its_own() -> None:
+    """Two activations in one owner block: the scope the first opens closes when its output is saved, and
+    the second's output is still substituted (the bytes saved lower by both), gradients bitwise plain's."""
+    x = torch.randn(4, 8)
+    counted, grads = {}, {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = _Outer()
+        if on:
+            handle = recompute_activation_outputs(model)
+            assert handle.scopes == [model.block] and len(handle.modules) == 2
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x).pow(2).sum()
+        out.backward()
+        counted[on], grads[on] = sum(seen.values()), [p.grad for p in model.parameters()]
+    assert counted[False] - counted[True] == (2 * 4 * 32 * 4 if ACTIVE else 0), counted
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
