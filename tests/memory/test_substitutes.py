@@ -252,25 +252,29 @@ def test_a_torch_mlp_keeps_one_tensor_less_where_this_torch_lets_it() -> None:
     lever is handed are lower by the GELU's output where this torch tells the hooks in force (not on 2.4,
     where the lever says it is inactive and changes nothing), and the gradients are bitwise plain torch's."""
     x = torch.randn(4, 8)
-    counted, grads = {}, {}
-    for on in (False, True):
-        torch.manual_seed(0)
-        model = _Mlp()
-        if on:
-            handle = recompute_activation_outputs(model)
-            assert handle.active == ACTIVE and handle.modules == [model.act] and handle.scopes == [model]
-        seen: dict[int, int] = {}
+    plain, plain_grads, _ = _saved_and_grads(_Mlp, x, False)
+    counted, grads, (model, handle) = _saved_and_grads(_Mlp, x, True)
+    assert handle.active == ACTIVE and handle.modules == [model.act] and handle.scopes == [model]
+    assert plain - counted == (4 * 32 * 4 if ACTIVE else 0), (plain, counted)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads))
 
-        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(x).pow(2).sum()
-        out.backward()
-        counted[on], grads[on] = sum(seen.values()), [p.grad for p in model.parameters()]
-    assert counted[False] - counted[True] == (4 * 32 * 4 if ACTIVE else 0), counted
-    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+def _saved_and_grads(build, x: torch.Tensor, on: bool):  # type: ignore[no-untyped-def]
+    """The bytes a saved-tensor hook beneath the lever is handed in a forward of ``build()`` (the lever on
+    or off), the gradients, and the model and the lever's handle."""
+    torch.manual_seed(0)
+    model = build()
+    handle = recompute_activation_outputs(model) if on else None
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x).pow(2).sum()
+    out.backward()
+    return sum(seen.values()), [p.grad for p in model.parameters()], (model, handle)
 
 
 def test_an_input_edited_in_place_after_the_forward_is_refused() -> None:
@@ -822,22 +826,8 @@ def test_a_second_tag_in_a_block_whose_first_scope_closed_opens_its_own() -> Non
     """Two activations in one owner block: the scope the first opens closes when its output is saved, and
     the second's output is still substituted (the bytes saved lower by both), gradients bitwise plain's."""
     x = torch.randn(4, 8)
-    counted, grads = {}, {}
-    for on in (False, True):
-        torch.manual_seed(0)
-        model = _Outer()
-        if on:
-            handle = recompute_activation_outputs(model)
-            assert handle.scopes == [model.block] and len(handle.modules) == 2
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(x).pow(2).sum()
-        out.backward()
-        counted[on], grads[on] = sum(seen.values()), [p.grad for p in model.parameters()]
-    assert counted[False] - counted[True] == (2 * 4 * 32 * 4 if ACTIVE else 0), counted
-    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+    plain, plain_grads, _ = _saved_and_grads(_Outer, x, False)
+    counted, grads, (model, handle) = _saved_and_grads(_Outer, x, True)
+    assert handle.scopes == [model.block] and len(handle.modules) == 2
+    assert plain - counted == (2 * 4 * 32 * 4 if ACTIVE else 0), (plain, counted)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads))
