@@ -296,10 +296,26 @@ def closing(modules: Iterable[nn.Module]) -> list[Any]:
 #: Modules whose hooks only observe (the memory ledger's attribution by module): they change nothing a lever does.
 _OBSERVERS = frozenset({"amp_backends.memory.ledger", __name__})
 #: torch's tables of hooks registered for every module (dictionaries it fills and empties in place)
-_GLOBAL_TABLES = tuple(table for table in (
-    getattr(torch.nn.modules.module, name, None) for name in (
-        "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
-    if table is not None)
+def _global_table(name: str) -> dict[int, Any]:
+    table = getattr(torch.nn.modules.module, name, None)
+    return table if table is not None else {}  # (the table itself, empty or not: torch fills it in place)
+
+
+_GLOBAL_TABLES = tuple(_global_table(name) for name in (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
+#: torch's module trackers (FlopCounterMode and the memory and communication debuggers run on them): their
+#: global forward hooks return nothing and edit nothing, they only note which module runs and put grad hooks
+#: on its tensors. Anything else registered for every module makes the levers stand aside.
+_TRACKERS = frozenset({"torch.utils.module_tracker.ModuleTracker", "torch.distributed._tools.mod_tracker.ModTracker"})
+
+
+def _observes(hook: Callable[..., Any]) -> bool:
+    """Whether a global module hook only observes: a method of one of torch's module trackers, or the package's."""
+    owner = getattr(hook, "__self__", None)
+    if owner is None:
+        return getattr(hook, "__module__", None) in _OBSERVERS
+    kind = type(owner)
+    return f"{kind.__module__}.{kind.__qualname__}" in _TRACKERS
 
 
 def others_hooked(module: nn.Module, own: Callable[..., Any]) -> bool:
@@ -308,7 +324,10 @@ def others_hooked(module: nn.Module, own: Callable[..., Any]) -> bool:
     changes what a layer's hooks would be given (a cast input, a tagged output) stands aside there, so that
     they see and return what they would without it. (Called at every forward of a hooked layer: written
     for the fewest Python calls.)"""
-    if module._backward_hooks or module._backward_pre_hooks or any(_GLOBAL_TABLES):
+    if module._backward_hooks or module._backward_pre_hooks:
+        return True
+    if any(_GLOBAL_TABLES[2:]) or (any(_GLOBAL_TABLES[:2]) and any(  # backward ones always count
+            not _observes(hook) for table in _GLOBAL_TABLES[:2] for hook in table.values())):
         return True
     for table in (module._forward_pre_hooks, module._forward_hooks):
         for hook in table.values():

@@ -831,3 +831,33 @@ def test_a_second_tag_in_a_block_whose_first_scope_closed_opens_its_own() -> Non
     assert handle.scopes == [model.block] and len(handle.modules) == 2
     assert plain - counted == (2 * 4 * 32 * 4 if ACTIVE else 0), (plain, counted)
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads))
+
+
+@pytest.mark.parametrize("tracker", ["ModuleTracker", "FlopCounterMode"])
+def test_torchs_module_trackers_leave_the_levers_on_and_a_hook_of_the_users_for_every_module_does_not(tracker: str) -> None:
+    """torch's module trackers (FlopCounterMode runs one) register forward hooks for every module that only
+    observe: under them BERT's lean step keeps as few bytes as without them, with bitwise the same gradients;
+    a forward hook of the user's own for every module makes the levers stand aside (all bytes kept)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.module_tracker import ModuleTracker
+
+    x = torch.randint(0, 64, TOKENS)
+
+    def lean() -> nn.Module:
+        model = _build("bert")
+        memory_lean(model, None, saves=False, activations=False)  # the two substituting levers on
+        return model
+
+    plain = _build("bert")
+    alone = _saved_bytes(lean(), "bert", x)[1]
+    with ModuleTracker() if tracker == "ModuleTracker" else FlopCounterMode(display=False):
+        tracked = _saved_bytes(lean(), "bert", x)[1]
+        model = lean()
+        grads = _step(model, "bert", torch.bfloat16, x)
+    assert tracked == alone < _saved_bytes(plain, "bert", x)[1] or not ACTIVE
+    _assert_bitwise(_step(plain, "bert", torch.bfloat16, x), grads)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert _saved_bytes(lean(), "bert", x)[1] == _saved_bytes(_build("bert"), "bert", x)[1]
+    finally:
+        handle.remove()
