@@ -8,7 +8,8 @@ inside an owner block, :func:`open_scope_in` a layer), a ``saved_tensors_hooks``
 saves, its source, and remakes the tensor from it when the backward asks (the remaking runs with
 autocast off, so it is the same kernel on the same input: bitwise what was saved). The hooks see only
 the saves from a tag to its consumer's: each costs a Python call at the forward and one at the backward.
-A save of a tagged tensor after its scope closed (a second consumer) keeps the tensor itself.
+A save of a tagged tensor after its scope closed (a second consumer, or one op saving it twice) keeps
+the tensor itself, and then the first substitution saves nothing.
 
 Composes with the hooks already in force (torch's checkpoint, ``save_on_cpu``, the memory ledger): what
 it does not replace goes to them as before, and for a tagged tensor they are handed the source instead.
@@ -154,8 +155,9 @@ class _Scope:
         stored = _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t, base)
         if self.pending:
             self.pending.discard(id(base))
-            if not self.pending:  # every tag made for it saved: the op's later saves go to the hooks below
-                self.close()
+            inside_backward = torch_private.current_graph_task_id is None or torch_private.current_graph_task_id() != -1
+            if not self.pending and not inside_backward:  # every tag made for it saved: the op's later saves go
+                self.close()  # to the hooks below (not from inside a backward, which restores the hooks after)
         return stored
 
     def unpack(self, packed: Any) -> torch.Tensor:

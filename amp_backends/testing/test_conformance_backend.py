@@ -154,6 +154,8 @@ CASES = [(None, "-")] + [(v, w) for v in (math.inf, -math.inf, math.nan) for w i
 
 @pytest.mark.parametrize(("value", "where"), CASES)
 def test_unscale_and_check(backend, value, where):
+    if backend.global_overflow_status:  # an iteration starts with the status cleared (the scaler's scale() does
+        backend.clear_overflow_status()  # it), before its gradients: an earlier test's overflow is not this one's
     grads = _grads(backend, seed=7)
     if value is not None:
         for i in range(0, len(grads), 4):  # one tensor of each dtype group and layout in turn
@@ -166,8 +168,6 @@ def test_unscale_and_check(backend, value, where):
         # a device-wide status that says overflow leaves the gradients scaled, as the device's op
         # does (op-plugin's NPU kernel returns before unscaling); the step is skipped anyway
         expected = [t.cpu().clone() for t in grads]
-    if backend.global_overflow_status:  # an iteration starts with the status cleared (the scaler's scale() does
-        backend.clear_overflow_status()  # it): an earlier test's overflow must not be read as this one's
     found = torch.zeros((), device=backend.device())
     grad_op_(backend, grads, found, torch.full((), 0.125, device=backend.device()))
     assert found.item() == (0.0 if value is None else 1.0)
