@@ -4,8 +4,8 @@ A lever tags a tensor with its *source* and how to remake it (:func:`substitute`
 output with the activation's input and its function (:mod:`.activation_outputs`), a second copy autocast
 makes of one activation with the first copy (:mod:`.shared_casts`). From the tagging until the tagged
 tensor is saved, at the latest to the end of the forward of the module it happened in (:func:`open_scope`
-inside an owner block, :func:`open_scope_in` a layer), a ``saved_tensors_hooks`` pair stores, in place of a tagged tensor or a view of it that an op
-saves, its source, and remakes the tensor from it when the backward asks (the remaking runs with
+inside an owner block, :func:`open_scope_in` a layer), a ``saved_tensors_hooks`` pair stores, in place
+of a tagged tensor or a view of it that an op saves, its source, and remakes the tensor from it when the backward asks (the remaking runs with
 autocast off, so it is the same kernel on the same input: bitwise what was saved). The hooks see only
 the saves from a tag to its consumer's: each costs a Python call at the forward and one at the backward.
 A save of a tagged tensor after its scope closed (a second consumer, or one op saving it twice) keeps
@@ -134,9 +134,14 @@ class _Scope:
         self.closed = False
 
     def close(self) -> None:
-        """Take the hooks out of force (once; where they are the innermost: hooks put in force over them
-        are not touched, and these stay until those are gone)."""
-        if not self.closed and _top_pack() == self.pack:
+        """Take the hooks out of force where they are the innermost (hooks put in force over them are not
+        touched, and these stay until those are gone)."""
+        if _top_pack() == self.pack:
+            self.exit()
+
+    def exit(self) -> None:
+        """Take the hooks out of force, once."""
+        if not self.closed:
             self.closed = True
             self.context.__exit__(None, None, None)
 
@@ -266,9 +271,8 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
     stack = _scopes()
     if stack and stack[-1][0] == id(module):  # else nothing was pushed for it (or its pre-hook never ran)
         scope = stack.pop()[1]
-        if scope is not None and not scope.closed:
-            scope.closed = True
-            scope.context.__exit__(None, None, None)
+        if scope is not None:
+            scope.exit()
 
 
 def outermost(model: nn.Module, names: Iterable[str]) -> list[nn.Module]:
@@ -297,12 +301,14 @@ def closing(modules: Iterable[nn.Module]) -> list[Any]:
 
 #: Modules whose hooks only observe (the memory ledger's attribution by module): they change nothing a lever does.
 _OBSERVERS = frozenset({"amp_backends.memory.ledger", __name__})
-#: torch's tables of hooks registered for every module (dictionaries it fills and empties in place)
+
+
 def _global_table(name: str) -> dict[int, Any]:
     table = getattr(torch.nn.modules.module, name, None)
     return table if table is not None else {}  # (the table itself, empty or not: torch fills it in place)
 
 
+#: torch's tables of hooks registered for every module (dictionaries it fills and empties in place)
 _GLOBAL_TABLES = tuple(_global_table(name) for name in (
     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
 #: torch's module trackers (FlopCounterMode and the memory and communication debuggers run on them): their
