@@ -340,9 +340,12 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                            "overhead_iqr_width": max(widths) if widths else None}
     finally:
         bar.close()
-    fp32_ms = {r["model"]: r["step_ms"] for r in rows if r["mode"] == "fp32"}
+    base_ms = {(r["model"], r["mode"]): r["step_ms"] for r in rows if r["mode"] in ("fp32", "bf16-fp8-baseline")}
     for row in rows:  # both steps of a few ms: launches and host work decide, not the arithmetic
-        if row["step_ms"] is not None and max(row["step_ms"], fp32_ms[row["model"]]) < HOST_BOUND_MS:
+        if "compiled" in row and not (row["compiled"] and row.get("speedup_vs_bf16")):
+            continue  # an eager fp8 row or the fp8 rows' baseline: its verdict already says why
+        base = base_ms.get((row["model"], "bf16-fp8-baseline" if "compiled" in row else "fp32"))
+        if row["step_ms"] is not None and base is not None and max(row["step_ms"], base) < HOST_BOUND_MS:
             row["verdict"] = "host-bound: no verdict"
     if be.device_type == "cuda":
         device_name = torch.cuda.get_device_name()

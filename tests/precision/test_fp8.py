@@ -475,14 +475,17 @@ def test_the_bench_measures_fp8_through_the_policy_and_torchao_directly(cpu_with
     from amp_backends.cli import bench, bench_fp8
 
     monkeypatch.setattr(bench_fp8, "SELECTION", [nn.Linear])  # the toy's layers are below the recipe's sizes
+    monkeypatch.setattr(bench, "HOST_BOUND_MS", 1e9)  # every step host-bound, as on a fast CPU
     result = bench.run(cpu_with_fp8, ["mlp"], rounds=2, warmup=0)
     rows = {r["mode"]: r for r in result["rows"]}
     for mode in ("amp-fp8", "torchao-fp8", "bf16-fp8-baseline"):
         assert rows[mode]["step_ms"] > 0 and rows[mode]["rounds"] == 2 and rows[mode]["peak_mem_bytes"] > 0
         assert rows[mode]["compiled"] is False, "a CPU runs the fp8 rows eagerly"
     assert rows["amp-fp8"]["overhead_vs_torchao"] > 0 and "overhead_vs_torchao" not in rows["torchao-fp8"]
-    for mode in ("amp-fp8", "torchao-fp8"):  # measured against bf16, but eager: no verdict
+    for mode in ("amp-fp8", "torchao-fp8"):  # measured against bf16, but eager: no verdict, and it says why
         assert rows[mode]["speedup_vs_bf16"] > 0 and rows[mode]["verdict"].startswith("eager: no fp8 verdict")
+    assert rows["bf16-fp8-baseline"]["verdict"] == "the fp8 rows' baseline"
+    assert all(r["verdict"] == "host-bound: no verdict" for m, r in rows.items() if "fp8" not in m and r["step_ms"])
     assert "fp8" not in result["recommendation"][0] or not result["recommendation"][0]["fp8"]["compiled"]
     assert "fp8" in bench.render(result)
 
