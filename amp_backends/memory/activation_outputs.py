@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..precision.fp32_forward import Fp32Forward
 from . import substitutes
 from .activations import _approximate, _FusedGelu
 from .substitutes import SubstituteSourceEdited
@@ -81,12 +82,17 @@ def _tag(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or len(args) != 1
             or not isinstance(output, torch.Tensor) or not isinstance(args[0], torch.Tensor)
             or not output.requires_grad or output is args[0] or output._base is not None
-            or output.dtype != args[0].dtype or substitutes.others_hooked(module, _tag)):
-        return  # others' hooks may have replaced or edited the output: it is not then the function's
+            or output.dtype != args[0].dtype):
+        return
+    if substitutes.others_hooked(module, _tag):  # they may have replaced or edited the output: not the function's
+        substitutes.stand_aside(module, _tag, "activation_outputs")
+        return
     fn = pure_function(module)
     if fn is not None:
         substitutes.substitute(output, args[0], fn, "an activation's input")
         substitutes.open_scope(output)  # until its consumer, later in the block, saves it
+    elif "forward" in vars(module) and not isinstance(vars(module)["forward"], Fp32Forward):  # another's
+        substitutes.stand_aside(module, _tag, "activation_outputs", substitutes.replaced_forward(module))
 
 
 class ActivationOutputs(substitutes.Hooked):

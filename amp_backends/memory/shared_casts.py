@@ -19,8 +19,9 @@ residual stream, the CPU's LayerNorm under autocast) nothing is cast and nothing
 reentrant checkpoint's recomputation (Transformers' ``use_reentrant=True``), which runs in the backward
 after a forward without grad: there autocast casts as without the lever (its three gradients were summed
 in another order: 1e-6 apart on a small BERT). Nor for a leaf that requires grad (learned queries), whose
-cast autocast caches itself, nor on a linear with hooks of its user (:func:`.substitutes.others_hooked`):
-they see its float32 input and gradient, as without the lever.
+cast autocast caches itself, nor on a linear with hooks of its user (:func:`.substitutes.others_hooked`)
+or a forward of another's set on it (accelerate's hooks): they see its float32 input and gradient, as
+without the lever, and the lever says it stood aside (:func:`.substitutes.stand_aside`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..precision.fp32_forward import Fp32Forward
 from ..torch_private import DisableTorchDispatch, current_graph_task_id
 from . import substitutes
 
@@ -71,23 +73,29 @@ def _forget(key: int, _ref: Any) -> None:
 def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Forward pre-hook of a linear: cast its float32 input as autocast would, each copy after the first
     of the same input saved as the first."""
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not args or "forward" in module.__dict__
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not args
             or (current_graph_task_id is not None and current_graph_task_id() != -1)):
-        return None  # compiled; nothing saved; a forward installed on the layer (a precision policy's float32
-        # one): the input is given to it as it came; or a reentrant checkpoint's recomputation, inside the
+        return None  # compiled; nothing saved; or a reentrant checkpoint's recomputation, inside the
         # backward, whose forward ran without grad: autocast casts there as it did without the lever
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         return None
+    replaced = module.__dict__.get("forward")
+    if isinstance(replaced, Fp32Forward):
+        return None  # a precision policy's float32 forward: the input is given to it as it came
     if x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled():
         return None  # autocast caches its cast of a leaf that requires grad: one copy, as without the lever
-    if substitutes.others_hooked(module, _cast):
-        return None  # the layer's own hooks see its input and its input's gradient in float32, as without it
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return None
     dtype = torch.get_autocast_dtype(device)
     if dtype == torch.float32 or not autocast_casts_linear(device, dtype):
+        return None
+    if replaced is not None:  # another's forward on the layer (accelerate's hooks): given the input as it came
+        substitutes.stand_aside(module, _cast, "shared_casts", substitutes.replaced_forward(module))
+        return None
+    if substitutes.others_hooked(module, _cast):  # they see its input and its gradient in float32, as without it
+        substitutes.stand_aside(module, _cast, "shared_casts")
         return None
     copy = x.to(dtype)
     first = _FIRST.get(id(x))

@@ -7,9 +7,11 @@ tensor is saved, at the latest to the end of the forward of the module it happen
 inside an owner block, :func:`open_scope_in` a layer), a ``saved_tensors_hooks`` pair stores, in place
 of a tagged tensor or a view of it that an op saves, its source, and remakes the tensor from it when the backward asks (the remaking runs with
 autocast off, so it is the same kernel on the same input: bitwise what was saved). The hooks see only
-the saves from a tag to its consumer's: each costs a Python call at the forward and one at the backward.
-A save of a tagged tensor after its scope closed (a second consumer, or one op saving it twice) keeps
-the tensor itself, and then the first substitution saves nothing.
+the saves from a tag to its consumer's, and the one save after: each costs a Python call at the forward
+and one at the backward. An op that saves a tagged tensor twice (``h * h``) has both saves substituted;
+a second consumer that saves it after other saves were made keeps the tensor itself, and then the first
+substitution saves nothing (a scope held open to the block's end would pass every later save through
+Python).
 
 Composes with the hooks already in force (torch's checkpoint, ``save_on_cpu``, the memory ledger): what
 it does not replace goes to them as before, and for a tagged tensor they are handed the source instead.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,10 +38,10 @@ import torch
 from torch import nn
 
 from .. import torch_private
-from ..errors import AmpBackendsError
+from ..errors import AmpBackendsError, PerformanceWarning
 
 __all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "open_scope", "open_scope_in", "others_hooked",
-           "outermost", "owners", "substitute"]
+           "outermost", "owners", "replaced_forward", "stand_aside", "substitute"]
 
 
 class SubstituteSourceEdited(AmpBackendsError, RuntimeError):
@@ -122,8 +125,9 @@ def _laid_out(t: torch.Tensor, layout: tuple[torch.Size, tuple[int, ...]]) -> to
 class _Scope:
     """The pack and unpack hooks of one scope, over the hooks in force when it began (or none).
 
-    It closes itself once each tag made for it has been substituted (:attr:`pending` empty: the consumer
-    saved it), so that the rest of the block's saves cost no Python call; else at its block's end."""
+    It closes itself at the first save of another tensor once each tag made for it has been substituted
+    (:attr:`pending` empty: the consumer saved it), so that the rest of the block's saves cost no Python
+    call; else at its block's end."""
 
     def __init__(self, outer: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
         self.outer_pack: Callable[[torch.Tensor], Any] | None = outer[0] if outer is not None else None
@@ -150,6 +154,8 @@ class _Scope:
         tag = _TAGS.get(id(base))
         if (tag is None or tag.tensor() is not base or base._version != tag.version or t.dtype != base.dtype
                 or tag.source._version != tag.source_version):  # either edited since: saved as it is
+            if not self.pending:
+                self._close_after_consumer()
             return t if self.outer_pack is None else self.outer_pack(t)
         source = tag.source
         if self.outer_pack is not None and not (t.is_contiguous() and source.is_contiguous()):
@@ -158,12 +164,16 @@ class _Scope:
             # it is, so that its backward is the one it would have had (a remade copy would keep its strides).
             return self.outer_pack(t)
         stored = _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t, base)
-        if self.pending:
-            self.pending.discard(id(base))
-            inside_backward = torch_private.current_graph_task_id is None or torch_private.current_graph_task_id() != -1
-            if not self.pending and not inside_backward:  # every tag made for it saved: the op's later saves go
-                self.close()  # to the hooks below (not from inside a backward, which restores the hooks after)
+        self.pending.discard(id(base))
         return stored
+
+    def _close_after_consumer(self) -> None:
+        """Every tag made for this scope saved, and now a save of another tensor: the consumer's op is past
+        saving its tagged input (an op that saves it twice, ``h * h``, saves it back to back), so the
+        block's later saves go to the hooks below. Not from inside a backward run during the forward (the
+        engine restores the hooks after its node)."""
+        if torch_private.current_graph_task_id is not None and torch_private.current_graph_task_id() == -1:
+            self.close()
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Stored) or packed.scope is not self:
@@ -344,6 +354,62 @@ def others_hooked(module: nn.Module, own: Callable[..., Any]) -> bool:
     return False
 
 
+#: layers where a lever stood aside for others' hooks (since it was turned on), weakly -> which hook
+_ASIDE: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+#: (lever, hook) pairs warned of: once each per process
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _name(hook: Callable[..., Any]) -> str:
+    owner = getattr(hook, "__self__", None)
+    if owner is not None:
+        return f"{type(owner).__module__}.{type(owner).__qualname__}.{getattr(hook, '__name__', '?')}"
+    fn = getattr(hook, "func", hook)  # a functools.partial: its function
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def _foreign(module: nn.Module, own: Callable[..., Any]) -> str:
+    """Which hook :func:`others_hooked` found around ``module``, in words."""
+    kinds = (("a backward hook", module._backward_hooks, True), ("a backward pre-hook", module._backward_pre_hooks, True),
+             ("a forward pre-hook", module._forward_pre_hooks, False), ("a forward hook", module._forward_hooks, False))
+    for kind, table, any_counts in kinds:
+        for hook in table.values():
+            if any_counts or (hook is not own and hook is not _leave
+                              and getattr(hook, "__module__", None) not in _OBSERVERS):
+                return f"{kind} ({_name(hook)})"
+    for i, (kind, table) in enumerate(zip(("a forward pre-hook for every module", "a forward hook for every module",
+                                           "a backward hook for every module", "a backward pre-hook for every module"),
+                                          _GLOBAL_TABLES)):
+        for hook in table.values():
+            if i >= 2 or not _observes(hook):
+                return f"{kind} ({_name(hook)})"
+    return "another's hook"
+
+
+def replaced_forward(module: nn.Module) -> str:
+    """A forward set on ``module`` itself (accelerate's hooks wrap each layer's this way), in words."""
+    return f"its forward replaced on the instance ({_name(vars(module)['forward'])})"
+
+
+def stand_aside(module: nn.Module, own: Callable[..., Any], lever: str, hook: str | None = None) -> None:
+    """Note that ``lever`` (its hook ``own``) stood aside on ``module`` for others' hooks
+    (:func:`others_hooked`) or ``hook`` (another's code around the layer, in words), for
+    :attr:`Hooked.stood_aside`; a :class:`PerformanceWarning` the first time for each lever and hook,
+    since the memory it would save there is then kept."""
+    if module in _ASIDE:
+        return
+    hook = _ASIDE[module] = hook or _foreign(module, own)
+    if (lever, hook) in _WARNED:
+        return
+    _WARNED.add((lever, hook))
+    warnings.warn(
+        f"memory_lean's {lever} lever stands aside on a {type(module).__name__} with {hook}, so that the hook "
+        "sees and returns what it would without the lever; the memory the lever saves there is kept (one "
+        "warning per lever and hook; the layers are in Lean.stood_aside). To save it, take the hook off the "
+        "layer, or keep the lever off (memory_lean(..., " + lever + "=False)) to silence this.",
+        PerformanceWarning, stacklevel=2)
+
+
 class Hooked:
     """What a lever that substitutes saved tensors turned on: :attr:`modules`, the layers it hooked, and
     the hooks' handles; :meth:`remove` takes them off."""
@@ -351,6 +417,12 @@ class Hooked:
     def __init__(self, modules: list[nn.Module], handles: list[Any]) -> None:
         self.modules = modules
         self._handles = handles
+
+    @property
+    def stood_aside(self) -> list[tuple[nn.Module, str]]:
+        """The layers of :attr:`modules` where the lever stood aside for others' hooks, at least once since
+        it was turned on, each with the hook it found."""
+        return [(m, _ASIDE[m]) for m in self.modules if m in _ASIDE]
 
     @property
     def active(self) -> bool:

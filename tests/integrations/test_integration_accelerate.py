@@ -217,3 +217,46 @@ def test_trainer_bf16_with_check_finite(tmp_path):
                          amp_scaler_kwargs={"check_finite": True})
     trainer.train()
     assert trainer.amp_scaler.stats.skipped == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _Siblings(torch.nn.Module):
+    """q, k and v read float32 activations that autocast casts for each of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        return self.q(h) * self.k(h) + self.v(other)
+
+
+def test_cpu_offload_makes_the_shared_casts_lever_stand_aside_and_say_so(monkeypatch):
+    """accelerate's ``cpu_offload`` wraps each layer's forward on the instance: memory_lean's shared casts
+    stand aside there (the wrapper is handed the float32 input, as without the lever), and say so: one
+    PerformanceWarning, ``Lean.stood_aside`` names q, k and v with accelerate's wrapper. The output and
+    the input's gradient are bitwise those of the same offloaded model without the lever."""
+    from amp_backends.memory import memory_lean, substitutes
+
+    monkeypatch.setattr(substitutes, "_WARNED", set())
+    x, other = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    results, said, lean = [], [], None
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = _Siblings()
+        accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+        if on:
+            lean = memory_lean(model, None, saves=False, activations=False, activation_outputs=False)
+        x.grad = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):  # a second forward warns no more
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = model(x, other)
+        y.float().pow(2).sum().backward()
+        results.append((y.detach(), x.grad.clone()))
+        said = [str(w.message) for w in caught if issubclass(w.category, PerformanceWarning)]
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    wrapper = "shared_casts: its forward replaced on the instance (accelerate.hooks.add_hook_to_module.<locals>.new_forward)"
+    assert lean is not None and lean.stood_aside == {"q": wrapper, "k": wrapper, "v": wrapper}
+    assert len(said) == 1 and "shared_casts lever stands aside on a Linear" in said[0], said

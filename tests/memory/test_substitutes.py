@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from amp_backends import torch_private
-from amp_backends.memory import fused_activations, memory_lean, recompute_activation_outputs, share_casts
+from amp_backends import PerformanceWarning, torch_private
+from amp_backends.memory import fused_activations, memory_lean, recompute_activation_outputs, share_casts, substitutes
 from amp_backends.memory.activation_outputs import RecomputedInputEdited, pure_function
 from amp_backends.memory.ledger import Ledger
 from sim_marks import needs_sim_device
@@ -676,11 +677,13 @@ def _clamp_in_place(module: nn.Module, args: tuple, out: torch.Tensor) -> None: 
 
 @pytest.mark.parametrize("where", ["activation", "activation-in-place", "sibling-pre-hook", "sibling-backward-hook",
                                    "every-module"])
-def test_the_users_own_hooks_see_and_return_what_they_would_without_the_levers(where: str) -> None:
+def test_the_users_own_hooks_see_and_return_what_they_would_without_the_levers(
+        where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A forward hook on the activation that steers or clamps its output, a pre-hook or a full backward
     hook on a sibling linear, a hook on every module (registered after the levers): the levers stand aside
     where others' hooks run (the recomputed output would have been the unhooked function's, the hooks would
-    have been handed bf16 copies), so the gradients are bitwise those without them."""
+    have been handed bf16 copies), so the gradients are bitwise those without them. Not silently: each
+    lever names the layers (``stood_aside``) and warns once per hook."""
     seen: list[torch.dtype] = []
 
     def prepare(model: nn.Module) -> None:
@@ -696,6 +699,11 @@ def test_the_users_own_hooks_see_and_return_what_they_would_without_the_levers(w
     build = _Mlp if where.startswith("activation") or where == "every-module" else (lambda: _Projections(False))
     args = (x, torch.randn(4, 8)) if build is not _Mlp else (x,)
     handle = None
+    # where each lever stands aside (the MLP's linears cast nothing: a leaf that requires grad, a bf16 input)
+    expected = {"activation": {"act"}, "activation-in-place": {"act"}, "sibling-pre-hook": {"k"},
+                "sibling-backward-hook": {"k"}, "every-module": {"act"}}[where]
+    aside: set[str] = set()
+    monkeypatch.setattr(substitutes, "_WARNED", set())
     if where == "every-module":
         handle = torch.nn.modules.module.register_module_forward_hook(
             lambda mod, a, out: out * 2 if isinstance(mod, nn.GELU) else None)
@@ -706,19 +714,27 @@ def test_the_users_own_hooks_see_and_return_what_they_would_without_the_levers(w
             model = build()
             prepare(model)
             if on:
-                recompute_activation_outputs(model)
-                share_casts(model)
+                levers = (recompute_activation_outputs(model), share_casts(model))
             if where == "sibling-pre-hook":  # after the levers' own: it runs after their cast
                 model.k.register_forward_pre_hook(lambda mod, a: (a[0] * 1.1, *a[1:]))  # type: ignore[union-attr]
             x.grad = None
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(*args).float().pow(2).sum()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(2 if on else 1):  # a second forward warns no more
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = model(*args).float().pow(2).sum()
             loss.backward()
             results.append([x.grad.clone(), *[p.grad for p in model.parameters()]])
+            if on:
+                names = {id(m): n for n, m in model.named_modules()}
+                aside = {names[id(m)] for lever in levers for m, hook in lever.stood_aside}
+                said = [str(w.message) for w in caught if issubclass(w.category, PerformanceWarning)]
     finally:
         if handle is not None:
             handle.remove()
     assert all(torch.equal(a, b) for a, b in zip(*results)), [(a - b).abs().max() for a, b in zip(*results)]
+    assert aside == expected, "each layer where a lever stood aside is named"
+    assert len(said) == len(expected) and all("stands aside" in m and "Lean.stood_aside" in m for m in said), said
     if where == "sibling-backward-hook":
         assert seen == [torch.float32, torch.float32], "the hook sees the float32 input's gradient, as without the lever"
 
@@ -759,20 +775,21 @@ def test_a_forward_a_keyboard_interrupt_ends_leaves_no_hooks_in_force_after_the_
     torch.testing.assert_close(torch.func.grad(lambda v: (v * v).sum())(w), 2 * w)
 
 
-#: saves a layer from the activation's output to its consumer's, that one included: GPT-2's c_proj and BERT's
-#: output dense save their input and weight; Llama's up projection (input, weight) runs between, then the product
-_SAVES_TO_CONSUMER = {"gpt2": 2, "bert": 2, "llama": 4}
+#: saves a layer from the activation's output to its consumer's and the next one (which closes the scope):
+#: GPT-2's c_proj and BERT's output dense save their input, then their weight; Llama's up projection (input,
+#: weight) runs between, then the product saves its two factors (the up projection's output first), then
+#: the down projection its input
+_SAVES_TO_CONSUMER = {"gpt2": 2, "bert": 2, "llama": 5}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_scope_closes_once_its_tagged_tensor_is_saved(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The hooks run for the saves after a tag only until the tag's consumer saves it (each later save of
     the block would cost a Python call at the forward and one at the backward): on GPT-2, BERT and Llama only
-    the saves up to the consumer's pass through them (2, 2 and 4 a layer, where a scope open to the block's
-    end passed 3, 8 and 6), one of them substituted; the
+    the saves up to the consumer's and the one after pass through them (2, 2 and 5 a layer, where a scope
+    open to the block's end passed 3, 8 and 6), one of them substituted; the
     bytes saved are those the hooks open to the block's end gave (one tensor of the inner width less a
     layer), and the gradients are bitwise those without the lever (none of it on torch 2.4: nothing there)."""
-    from amp_backends.memory import substitutes
 
     calls = {"pack": 0, "stored": 0}
     real_pack, real_stored = substitutes._Scope.pack, substitutes._Stored.__init__
@@ -831,6 +848,73 @@ def test_a_second_tag_in_a_block_whose_first_scope_closed_opens_its_own() -> Non
     assert handle.scopes == [model.block] and len(handle.modules) == 2
     assert plain - counted == (2 * 4 * 32 * 4 if ACTIVE else 0), (plain, counted)
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads))
+
+
+class _SquaredMlp(nn.Module):  # its consumer saves the activation's output twice, back to back
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.up(x))
+        return self.down(h * h)
+
+
+class _TwoConsumers(nn.Module):  # a second consumer saves it after the first's and the down projection's saves
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)
+        self.gate = nn.Parameter(torch.randn(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.up(x))
+        return self.down(h) + self.down(h * self.gate)
+
+
+@pytest.mark.parametrize(("build", "saved"), [(_SquaredMlp, 4 * 32 * 4), (_TwoConsumers, 0)])
+def test_an_op_that_saves_the_tagged_tensor_twice_has_both_saves_substituted(build, saved: int) -> None:  # type: ignore[no-untyped-def]
+    """``h * h`` saves the activation's output twice, back to back: both saves are substituted (the scope
+    closes at the save after), so the output is not kept (4 x 32 fp32 fewer bytes). A second consumer
+    whose save comes after other saves keeps it (the documented limit: nothing saved, nothing wrong).
+    Gradients bitwise those without the lever either way."""
+    x = torch.randn(4, 8)
+    plain, plain_grads, _ = _saved_and_grads(build, x, False)
+    counted, grads, _ = _saved_and_grads(build, x, True)
+    assert plain - counted == (saved if ACTIVE else 0), (plain, counted)
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads))
+
+
+def test_lean_names_the_layers_where_a_lever_stood_aside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook of the user's on one of BERT's GELUs (a profiler's, an offloading framework's): memory_lean's
+    recomputation stands aside on that layer only; ``Lean.stood_aside`` names it with the hook, its repr
+    counts it, one warning says so over two steps; the other layer's output is still recomputed (fewer
+    bytes saved than with the lever off everywhere, more than with it on everywhere)."""
+    monkeypatch.setattr(substitutes, "_WARNED", set())
+    x = torch.randint(0, 64, TOKENS)
+
+    def lean(hooked: bool):  # type: ignore[no-untyped-def]
+        model = _build("bert")
+        if hooked:
+            model.bert.encoder.layer[1].intermediate.intermediate_act_fn.register_forward_hook(_observe)
+        return model, memory_lean(model, None, saves=False, activations=False, shared_casts=False)
+
+    model, handle = lean(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hooked = _saved_bytes(model, "bert", x)[1]
+        _step(model, "bert", torch.bfloat16, x)
+    said = [str(w.message) for w in caught if issubclass(w.category, PerformanceWarning)]
+    name = "bert.encoder.layer.1.intermediate.intermediate_act_fn"
+    assert handle.stood_aside == {name: f"activation_outputs: a forward hook ({__name__}._observe)"}
+    assert "1 layers stood aside for others' hooks" in repr(handle)
+    assert len(said) == 1 and "activation_outputs lever stands aside on a GELUActivation" in said[0], said
+    everywhere, nowhere = _saved_bytes(lean(False)[0], "bert", x)[1], _saved_bytes(_build("bert"), "bert", x)[1]
+    assert everywhere < hooked < nowhere or not ACTIVE, (everywhere, hooked, nowhere)
+    assert lean(False)[1].stood_aside == {}
+
+
+def _observe(module: nn.Module, args: tuple, out: torch.Tensor) -> None:  # type: ignore[type-arg]
+    pass
 
 
 @pytest.mark.parametrize("tracker", ["ModuleTracker", "FlopCounterMode"])
