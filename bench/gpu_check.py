@@ -13,7 +13,7 @@ own try/except (a part that fails is recorded with its error; the others still r
    test_memory.py's allocator tests) through pytest in a process of its own (8 xdist workers where
    pytest-xdist is installed);
 2. ``memory``: ``amp-backends bench --memory``'s measurement, each mode alone on the allocator
-   (fp32, AMP per dtype, lean-bf16, lean-bf16-sr where torchao is installed), on the bench models and
+   (fp32, AMP per dtype, lean-bf16, lean-bf16-sr), on the bench models and
    the Transformers/torchvision ones;
 3. ``bench``: the time bench at full size on the same models (fp32, TF32, amp-*, torch-*, lean-bf16,
    lean-bf16-sr), few rounds of several steps each, its memory column the ``memory`` part's figures;
@@ -22,7 +22,9 @@ own try/except (a part that fails is recorded with its error; the others still r
    Llama-style block, where torchao is importable and the GPU has fp8 matmuls;
 6. ``scaler``: the fp16 step of BERT through amp_backends and through torch.amp, step by step: each
    step's device time, host syncs (CUDA's sync debug mode), garbage collections and the ops dispatched,
-   so that an intermittent cost of the adapter shows which step it hit and what ran there.
+   so that an intermittent cost of the adapter shows which step it hit and what ran there;
+7. ``optimizer``: bench/sr_step.py, the stochastic-rounding step (``StochasticAdamW``, torchao's
+   ``_AdamW`` with and without ``compile_once``) against AdamW on float32 masters, on BERT-base's shapes.
 
 It writes one JSON (``--json``; default ``$OUT/gpu_check.json`` where ``OUT`` is set, else
 ``gpu_check.json``) after every part, so a run cut short keeps what it finished, and prints a short
@@ -61,6 +63,7 @@ for _path in (ROOT / "plugins", ROOT):  # the checkout's code, installed or not
 #: part -> seconds it may take (full run, smoke run); the whole run stays under ``--budget``.
 BUDGETS: dict[str, tuple[float, float]] = {
     "tests": (120, 20), "memory": (70, 8), "bench": (150, 10), "kernels": (35, 3), "fp8": (100, 3), "scaler": (25, 8),
+    "optimizer": (60, 8),
 }
 #: the whole run's default budget, seconds (a lease's 8 minutes, less the interpreter's start)
 TOTAL_BUDGET = 450.0
@@ -252,6 +255,22 @@ def part_kernels(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+def part_optimizer(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
+    """bench/sr_step.py's figures: the stochastic-rounding step (StochasticAdamW, torchao's) against AdamW on
+    float32 masters, on BERT-base's parameter shapes (its own process; ``--smoke``: small, without torchao's
+    compiles)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "sr_step.py"), "--json"]
+    if ctx["smoke"]:
+        cmd += ["--smoke", "--skip-torchao"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=budget)
+    except subprocess.TimeoutExpired:
+        raise PartTimeout(f"bench/sr_step.py past its budget of {budget:.0f} s") from None
+    if proc.returncode:
+        raise RuntimeError(f"bench/sr_step.py exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
 def part_fp8(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     """The fp8 rows compiled against bf16 compiled, on the width-4096 Llama-style block."""
     import amp_backends
@@ -405,7 +424,7 @@ def _sync_warnings(cuda: bool) -> Iterator[list[Any]]:
 
 PARTS: dict[str, Callable[[dict[str, Any], float], dict[str, Any]]] = {
     "tests": part_tests, "memory": part_memory, "bench": part_bench, "kernels": part_kernels, "fp8": part_fp8,
-    "scaler": part_scaler,
+    "scaler": part_scaler, "optimizer": part_optimizer,
 }
 
 
@@ -499,6 +518,9 @@ def _summary(name: str, rec: dict[str, Any]) -> str:
             return f"skipped: {r['skipped']}"
         return "; ".join(f"{x['mode']} bf16/fp8 {x['speedup_vs_bf16']:.2f}x ({x['verdict']})" for x in r["rows"]
                          if x.get("speedup_vs_bf16") is not None)
+    if name == "optimizer":
+        return "; ".join(f"{x['step']} {x['ms']:.2f} ms ({x['vs_foreach_masters']:.2f}x foreach masters)"
+                         for x in r["rows"])[:400]
     if name == "scaler":
         parts = [f"{m} median {r[m]['median_ms']:.1f} ms max {r[m]['max_ms']:.1f} slow steps {r[m]['slow_steps']} "
                  f"blocks cut {sum(r[m]['triton_cuts_built_per_step'])}"

@@ -6,6 +6,8 @@ float32 masters, on BERT-base's parameter shapes (201 parameters, 9 distinct sha
 
 Rows, each the median of ``--steps`` optimizer steps after warm-up (gradients fixed, bf16 parameters):
 
+- ``StochasticAdamW``: :class:`amp_backends.memory.StochasticAdamW`, the same update (bitwise, given the
+  same random bits) in a few multi-tensor ops per chunk of elements, whatever the number of parameters;
 - ``torchao-sr``: torchao's step as it is: one ``torch.compile(...)`` call per parameter per step;
 - ``torchao-sr compile_once``: the same step with each compile wrapper built once
   (:func:`amp_backends.memory.compile_once.compile_once`), bitwise the same parameters;
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 import amp_backends
+from amp_backends.memory import StochasticAdamW
 from amp_backends.memory.compile_once import compile_once
 
 
@@ -55,14 +59,17 @@ def _params(shapes: list[tuple[int, ...]], device: torch.device, dtype: torch.dt
     return out
 
 
-def steps(be: amp_backends.Backend, shapes: list[tuple[int, ...]]) -> dict[str, Callable[[], None]]:
+def steps(be: amp_backends.Backend, shapes: list[tuple[int, ...]], skip_torchao: bool = False) -> dict[str, Callable[[], None]]:
     """name -> one optimizer step of that kind over fresh parameters of ``shapes``."""
     device = be.device()
     made: dict[str, Callable[[], None]] = {}
+    made["StochasticAdamW"] = StochasticAdamW(_params(shapes, device, torch.bfloat16), lr=1e-3).step
     try:
+        if skip_torchao:
+            raise ImportError("--skip-torchao")
         from torchao.optim import _AdamW
     except Exception as exc:  # noqa: BLE001 - the reason is printed
-        print(f"torchao's _AdamW unavailable ({type(exc).__name__}: {exc}): only the master-weight rows")
+        print(f"torchao's _AdamW not measured ({type(exc).__name__}: {exc})", file=sys.stderr)
     else:
         made["torchao-sr"] = _AdamW(_params(shapes, device, torch.bfloat16), lr=1e-3, bf16_stochastic_round=True).step
         once = compile_once(_AdamW(_params(shapes, device, torch.bfloat16), lr=1e-3, bf16_stochastic_round=True))
@@ -85,11 +92,12 @@ def steps(be: amp_backends.Backend, shapes: list[tuple[int, ...]]) -> dict[str, 
     return made
 
 
-def run(be: amp_backends.Backend, shapes: list[tuple[int, ...]], n: int, warmup: int) -> dict[str, Any]:
+def run(be: amp_backends.Backend, shapes: list[tuple[int, ...]], n: int, warmup: int,
+        skip_torchao: bool = False) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     counters.clear()
-    made = steps(be, shapes)
+    made = steps(be, shapes, skip_torchao)
     first: dict[str, float] = {}
     for name, step in made.items():
         be.synchronize()
@@ -130,12 +138,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="each dimension / 16, 5 steps (a CPU)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--skip-torchao", action="store_true", help="leave torchao's rows out (their compiles)")
     args = parser.parse_args()
     be = amp_backends.get(args.backend)
     if args.smoke:  # a shared CPU: OpenMP threads waiting on each other cost more than these small updates
         torch.set_num_threads(1)
     shapes = _scaled(bert_base_shapes(), 16) if args.smoke else bert_base_shapes()
-    result = run(be, shapes, args.steps or (5 if args.smoke else 20), warmup=2 if args.smoke else 3)
+    result = run(be, shapes, args.steps or (5 if args.smoke else 20), warmup=2 if args.smoke else 3,
+                 skip_torchao=args.skip_torchao)
     result.update(backend=be.name, torch=torch.__version__, size="smoke (dims / 16)" if args.smoke else "full")
     try:
         import torchao

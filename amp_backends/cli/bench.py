@@ -11,8 +11,8 @@ interleaved round by round after warm-up, so that drift of the machine hits them
   so ``overhead_vs_torch`` is the adapter's cost (median of per-round ratios, with its
   interquartile range and full range);
 - ``lean-bf16`` (:func:`amp_backends.memory_lean`, fp32 masters), ``lean-bf16-rc`` (the same with
-  ``recompute=True``: models with repeated blocks) and, where torchao is installed and
-  on accelerators, ``lean-bf16-sr`` (torchao's AdamW rounding bf16 stochastically, no masters);
+  ``recompute=True``: models with repeated blocks) and ``lean-bf16-sr``
+  (:class:`~amp_backends.memory.StochasticAdamW` rounding bf16 stochastically, no masters);
 - ``amp-fp8``, ``torchao-fp8`` and their baseline ``bf16-fp8-baseline`` where the device has fp8
   matmuls, compiled as torchao documents (:mod:`amp_backends.cli.bench_fp8`); elsewhere the rows say why.
 
@@ -53,6 +53,7 @@ from ..backend import Backend
 from .bench_models import DEFAULT_MODELS, MODELS, Mode
 from ..errors import PerformanceWarning
 from ..memory.lean import memory_lean
+from ..memory.sr_adamw import StochasticAdamW
 from ..registry.registry import get
 from .bench_measure import (  # noqa: F401 - the round's constants and peak_memory stay importable from here
     MAX_STEPS_PER_ROUND,
@@ -64,7 +65,7 @@ from .bench_measure import (  # noqa: F401 - the round's constants and peak_memo
     step_timer,
     steps_per_round,
 )
-from .bench_memory import LEAN_HEADS, _sr_unavailable, peak_kind, recompute_unavailable
+from .bench_memory import LEAN_HEADS, peak_kind, recompute_unavailable
 from .bench_report import list_models, plot, render
 
 __all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "MAX_STEPS_PER_ROUND", "MIN_STEPS_PER_ROUND", "Mode", "ROUND_SECONDS",
@@ -107,21 +108,12 @@ def modes_for(be: Backend) -> list[Mode]:
         bf16 = torch.bfloat16 in native
         modes.append(Mode("lean-bf16", "lean", torch.bfloat16, bf16))
         modes.append(Mode("lean-bf16-rc", "lean-rc", torch.bfloat16, bf16))
-        modes.append(Mode("lean-bf16-sr", "lean-sr", torch.bfloat16, bf16, unavailable=sr_unavailable(be)))
+        modes.append(Mode("lean-bf16-sr", "lean-sr", torch.bfloat16, bf16))
     from .bench_fp8 import FP8_MODES, fp8_unavailable
 
     why_not = fp8_unavailable(be)
     modes += [Mode(name, via, torch.bfloat16, unavailable=why_not) for name, via in FP8_MODES]
     return modes
-
-
-def sr_unavailable(be: Backend) -> str | None:
-    """Why the time bench has no ``lean-bf16-sr`` row here, or None."""
-    why = _sr_unavailable()
-    if why is None and be.device_type == "cpu":
-        return ("torchao's AdamW compiles its update (inductor on a CPU takes minutes); "
-                "bench --memory counts this mode here")
-    return why
 
 
 @contextlib.contextmanager
@@ -162,11 +154,9 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
                            lm_head=lm_head, recompute=mode.via == "lean-rc")
         optimizer = lean.optimizer
     elif mode.via == "lean-sr":
-        from torchao.optim import _AdamW
-
         net = copy.deepcopy(model)
-        sr = _AdamW(net.parameters(), lr=1e-5, bf16_stochastic_round=True)
-        optimizer = memory_lean(net, sr, backend=be, weights=torch.bfloat16, master=False, lm_head=lm_head).optimizer
+        optimizer = memory_lean(net, StochasticAdamW(net.parameters(), lr=1e-5), backend=be, weights=torch.bfloat16,
+                                master=False, lm_head=lm_head).optimizer
     if mode.via in ("amp", "lean", "lean-rc", "lean-sr"):
         scaler: Any = be.grad_scaler(mode.dtype)
         autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731 - one of two one-line choices

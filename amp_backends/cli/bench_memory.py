@@ -5,8 +5,8 @@ The ledger (:mod:`amp_backends.memory.ledger`) of a training step of each bench 
 and real batch size, per mode: float32, AMP in each autocast dtype, and memory-lean AMP
 (:func:`amp_backends.memory_lean`: bfloat16 weights with float32 masters, low-precision saves, the LM
 head in blocks of rows; ``lean-bf16-rc``: the same with the transformer blocks' cheap ops recomputed in
-backward (``recompute=True``); ``lean-bf16-sr``: bfloat16 weights and moments rounded stochastically by
-torchao's AdamW, no masters). On a CPU the steps run on fake tensors: every storage counted, no
+backward (``recompute=True``); ``lean-bf16-sr``: bfloat16 weights and moments, the weights rounded stochastically
+by :class:`~amp_backends.memory.StochasticAdamW`, no masters). On a CPU the steps run on fake tensors: every storage counted, no
 arithmetic, a few seconds per model and mode (the loss scaler's skip decision, a host read, cannot be
 made there: the step is counted as one that runs). On an accelerator they run for real on the device, and
 the allocator's peak is reported beside the ledger's. The loss after a few hundred steps of each mode
@@ -15,26 +15,23 @@ on the bench's data (small size, real arithmetic) is reported beside the memory.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import datetime
 import gc
-import importlib.util
 import json
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from .. import patches
 from ..backend import Backend, get
 from ..console import render_table
 from ..errors import PerformanceWarning
-from ..memory.compile_once import compile_once
 from ..memory.fake import Setup, measure, on_meta_then_fake
 from ..memory.lean import memory_lean
 from ..memory.recompute import find_blocks
+from ..memory.sr_adamw import StochasticAdamW
 from ..memory.ledger import PARTS, Ledger, MemoryReport
 from .bench_models import MODELS
 
@@ -45,16 +42,6 @@ __all__ = ["LEAN_HEADS", "LEFT_BEHIND_MARGIN", "Alone", "ledger_modes", "loss_af
 LEAN_HEADS = {name: spec.lm_head for name, spec in MODELS.items() if spec.lm_head}
 
 
-def _sr_unavailable() -> str | None:
-    if importlib.util.find_spec("torchao") is None:
-        return "needs torchao's optimizers (pip install 'amp-backends[fp8]')"
-    try:
-        from torchao.optim import _AdamW  # noqa: F401 - imported to see whether it imports
-    except Exception as exc:  # noqa: BLE001 - an import that fails is the reason
-        return f"torchao's AdamW cannot be imported: {type(exc).__name__}: {exc}"
-    return None
-
-
 def ledger_modes(be: Backend) -> list[tuple[str, str | None]]:
     """(mode, why it cannot run here or None): fp32, amp-<dtype> for each autocast dtype, lean-bf16
     and lean-bf16-sr where the backend runs bf16."""
@@ -62,7 +49,7 @@ def ledger_modes(be: Backend) -> list[tuple[str, str | None]]:
     modes += [(f"amp-{str(d).replace('torch.', '')}", None) for d in (torch.float16, torch.bfloat16)
               if d in be.supported_dtypes()]
     if torch.bfloat16 in be.supported_dtypes():
-        modes += [("lean-bf16", None), ("lean-bf16-rc", None), ("lean-bf16-sr", _sr_unavailable())]
+        modes += [("lean-bf16", None), ("lean-bf16-rc", None), ("lean-bf16-sr", None)]
     return modes
 
 
@@ -72,15 +59,6 @@ def recompute_unavailable(name: str) -> str | None:
     if find_blocks(MODELS[name].build("small")):
         return None
     return "no repeated transformer blocks to recompute (memory_lean(recompute=True) refuses it)"
-
-
-@contextlib.contextmanager
-def _eager_torchao() -> Iterator[None]:
-    """torchao's optimizers compile their update; counted on fake tensors it runs eagerly (its
-    temporaries an upper bound of the compiled step's; the optimizer's phase is not where the peak is)."""
-    with patches.replaced(torch, "compile", lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f),
-                          cause="torchao's optimizer step runs eagerly on fake tensors", scope="inside the measurement"):
-        yield
 
 
 def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *, fake: bool,
@@ -98,12 +76,8 @@ def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *
         through_torch = mode.startswith("torch-")  # raw torch.autocast and torch.amp.GradScaler
         master: Callable[[], list[torch.Tensor]] = list
         if mode == "lean-bf16-sr":
-            from torchao.optim import _AdamW
-
-            # built once, its compile wrapper: torchao makes one per parameter per step otherwise (docs/memory.md)
-            opt: Any = compile_once(_AdamW(model.parameters(), lr=lr, bf16_stochastic_round=True))
-            opt = memory_lean(model, opt, backend=be, weights=torch.bfloat16, master=False,
-                              lm_head=LEAN_HEADS.get(name)).optimizer
+            opt: Any = memory_lean(model, StochasticAdamW(model.parameters(), lr=lr), backend=be, weights=torch.bfloat16,
+                                   master=False, lm_head=LEAN_HEADS.get(name)).optimizer
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=lr)
             if mode in ("lean-bf16", "lean-bf16-rc"):
@@ -175,8 +149,7 @@ def measure_alone(be: Backend, name: str, size: str, batch: int | None, mode: st
         be.synchronize()
         before = be.memory_allocated() or 0
         be.reset_peak_memory_stats()
-    with _eager_torchao() if mode.endswith("-sr") and fake else contextlib.nullcontext():
-        report = measure(setup_for(be, name, size, batch, mode, fake=fake), fake=fake)
+    report = measure(setup_for(be, name, size, batch, mode, fake=fake), fake=fake)
     if fake:
         gc.collect()
         return Alone(report, None, 0)
@@ -230,15 +203,13 @@ def memory_rows(be: Backend, models: Sequence[str], size: str = "full", scale: f
 def loss_after(be: Backend, name: str, mode: str, steps: int, lr: float = 1e-3) -> float:
     """The loss after ``steps`` steps of bench model ``name`` (small size, real arithmetic) in ``mode``."""
     spec = MODELS[name]
-    ctx = _eager_torchao() if mode.endswith("-sr") and be.device_type == "cpu" else contextlib.nullcontext()
-    with ctx:
-        setup = setup_for(be, name, "small", None, mode, fake=False, lr=lr)()
-        ledger = Ledger()  # its phases only: nothing is counted outside its dispatch mode
-        for _ in range(steps):
-            setup.step(ledger)
-        with torch.no_grad(), be.autocast(torch.bfloat16, enabled=mode != "fp32"):
-            x, y = setup.inputs
-            return float(spec.loss_of(setup.model, x, y).float())
+    setup = setup_for(be, name, "small", None, mode, fake=False, lr=lr)()
+    ledger = Ledger()  # its phases only: nothing is counted outside its dispatch mode
+    for _ in range(steps):
+        setup.step(ledger)
+    with torch.no_grad(), be.autocast(torch.bfloat16, enabled=mode != "fp32"):
+        x, y = setup.inputs
+        return float(spec.loss_of(setup.model, x, y).float())
 
 
 def _mib(n: int | None) -> str:

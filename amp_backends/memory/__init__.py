@@ -9,7 +9,8 @@ substituted (:mod:`.substitutes`), the LM head's
 lazy logits (:mod:`.chunked_loss`) and its loss fused a block of rows at a time with the gradients made
 in the forward (:mod:`.fused_loss`), low-precision weights with float32
 masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (:mod:`.recompute`),
-torchao's per-parameter compiled step with its compile wrapper built once (:mod:`.compile_once`).
+torchao's per-parameter compiled step with its compile wrapper built once (:mod:`.compile_once`), and
+an AdamW that rounds bfloat16 parameters stochastically in a few multi-tensor ops (:mod:`.sr_adamw`).
 
 May import: :mod:`amp_backends.precision`, :mod:`amp_backends.backend`, :mod:`amp_backends.registry`,
 :mod:`amp_backends.eager`, :mod:`amp_backends.errors`, :mod:`amp_backends.patches`,
@@ -29,8 +30,9 @@ from .master import MasterWeights
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import low_precision_saves
 from .shared_casts import SharedCasts, share_casts
+from .sr_adamw import StochasticAdamW
 
 __all__ = ["PARTS", "ActivationOutputs", "FusedActivations", "LazyHeadError", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights",
-           "MemoryReport", "Recompute", "RecomputeError", "SharedCasts", "compile_once", "fused_activations", "head_lever_refusal",
+           "MemoryReport", "Recompute", "RecomputeError", "SharedCasts", "StochasticAdamW", "compile_once", "fused_activations", "head_lever_refusal",
            "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean", "recompute_activation_outputs",
            "selective_recompute", "share_casts"]

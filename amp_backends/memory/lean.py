@@ -23,12 +23,12 @@ Each lever is on its own switch and usable alone:
   at a time, each block's gradients made in the forward (:mod:`.chunked_loss`, :mod:`.fused_loss`);
 - ``weights``: the parameters the optimizer trains in bfloat16/float16, with float32 masters it
   updates (:mod:`.master`); or, with ``master=False``, no masters, for an optimizer that rounds its
-  bfloat16 updates stochastically (torchao's, ``bf16_stochastic_round=True``), whose moments follow
-  the parameters' dtype. What stays float32: normalisation layers, layers a precision policy keeps in
-  float32, fp8 layers, parameters the optimizer does not hold (another optimizer's, frozen ones), and
-  parameters of layers whose forward cannot take low-precision weights from float32 inputs under
-  autocast (anything but the layers in :data:`LOW_PRECISION_LAYERS`: ``nn.Bilinear``, custom layers;
-  :attr:`Lean.kept` says which and why).
+  bfloat16 updates stochastically (:class:`.sr_adamw.StochasticAdamW`, or torchao's with
+  ``bf16_stochastic_round=True``), whose moments follow the parameters' dtype. What stays float32:
+  normalisation layers, layers a precision policy keeps in float32, fp8 layers, parameters the
+  optimizer does not hold (another optimizer's, frozen ones), and parameters of layers whose forward
+  cannot take low-precision weights from float32 inputs under autocast (anything but the layers in
+  :data:`LOW_PRECISION_LAYERS`: ``nn.Bilinear``, custom layers; :attr:`Lean.kept` says which and why).
 
 The model stays the user's to write: ``model.load_state_dict``, in-place edits under ``no_grad``,
 another optimizer, DDP's broadcast and ``model.to(...)`` all reach the masters (:mod:`.master`).
@@ -101,6 +101,15 @@ class Lean:
         return self.optimizer.masters
 
     _masters = masters
+
+    @property
+    def stood_aside(self) -> dict[str, str]:
+        """Layer name -> the lever that stood aside there for another's hook, and the hook (at least once since
+        it was turned on; :func:`.substitutes.others_hooked`): the memory that lever saves is kept there."""
+        found = {id(m): f"{lever}: {hook}" for lever, handle in (("activation_outputs", self._outputs),
+                                                                 ("shared_casts", self._casts))
+                 if handle is not None for m, hook in handle.stood_aside}
+        return {name: found[id(m)] for name, m in self.model.named_modules() if id(m) in found}
 
     def state_dict(self) -> dict[str, Any]:
         """The model's ``state_dict`` with each low-precision weight's float32 master (same keys), or its
@@ -179,7 +188,8 @@ class Lean:
                  f"{len(self._outputs.modules)} activations' outputs recomputed"
                  if self._outputs is not None and self._outputs.active else "",
                  f"autocast's copies shared by {len(self._casts.modules)} linears"
-                 if self._casts is not None and self._casts.active else ""]
+                 if self._casts is not None and self._casts.active else "",
+                 f"{len(self.stood_aside)} layers stood aside for others' hooks" if self.stood_aside else ""]
         return f"<Lean {'; '.join(p for p in parts if p) or 'off'}>"
 
 
@@ -249,8 +259,9 @@ def _check(model: Any, optimizer: Any, weights: Any, master: bool, lm_head: Any,
         if not stochastic or weights != torch.bfloat16:
             raise LeanError(
                 "memory_lean(master=False): bfloat16 weights without float32 masters lose the small updates (a "
-                "round-to-nearest AdamW stalls), so the optimizer must round stochastically: pass e.g. "
-                "torchao.optim.AdamW8bit(model.parameters(), bf16_stochastic_round=True), or master=True")
+                "round-to-nearest AdamW stalls), so the optimizer must round stochastically: pass "
+                "amp_backends.memory.StochasticAdamW(model.parameters()) (or torchao's AdamW with "
+                "bf16_stochastic_round=True), or master=True")
     head = None
     if lm_head is not None:
         head = lm_head if isinstance(lm_head, nn.Module) else _submodule(model, lm_head)

@@ -252,9 +252,6 @@ def test_bench_real_models_json_every_field(tmp_path):
         if r["mode"].endswith("-fp8") or r["mode"] == "bf16-fp8-baseline":
             assert r["step_ms"] is None and r["unavailable"].startswith("cpu has no fp8 matmul")
             continue
-        if r["mode"] == "lean-bf16-sr":
-            assert r["step_ms"] is None and ("inductor" in r["unavailable"] or "torchao" in r["unavailable"])
-            continue
         if r["mode"] == "lean-bf16-rc" and r["model"] == "resnet50":
             assert r["step_ms"] is None and "no repeated transformer blocks" in r["unavailable"]
             continue
@@ -265,14 +262,15 @@ def test_bench_real_models_json_every_field(tmp_path):
         assert r["memory_kind"] == "ledger peak (every storage; this mode alone)"
         if r["via"] in ("amp", "torch"):
             assert r["mem_saving_pct"] > -10, "autocast's weight copies cost little at these sizes"
-        if r["via"] in ("lean", "lean-rc"):
+        if r["via"] in ("lean", "lean-rc", "lean-sr"):
             assert "vs_amp" in r, "the lean step's time against plain AMP's, measured in the same rounds"
     recs = {r["model"]: r for r in out["recommendation"]}
     for model in out["models"]:
         fastest = min((r for r in out["rows"] if r["model"] == model and r["step_ms"] and r["via"] != "torch"),
                       key=lambda r: r["step_ms"])
         assert recs[model]["fastest"] == fastest["mode"], "the recommendation is the fastest mode measured"
-        measured = {"fp32", "amp-float16", "amp-bfloat16", "lean-bf16"} | ({"lean-bf16-rc"} if model in recomputed else set())
+        measured = ({"fp32", "amp-float16", "amp-bfloat16", "lean-bf16", "lean-bf16-sr"}
+                    | ({"lean-bf16-rc"} if model in recomputed else set()))
         assert set(recs[model]["peak_mem_bytes"]) == measured
 
 

@@ -1,0 +1,242 @@
+"""AdamW on bfloat16 parameters, rounded stochastically, a few multi-tensor ops a step.
+
+The update is torchao's ``_AdamW(bf16_stochastic_round=True)`` (``single_param_adam``): each value
+computed in float32 from the parameter, its gradient and its two moments (stored in the parameter's
+dtype), the moments rounded to nearest, the parameter rounded stochastically to bfloat16 (away from
+zero with the probability of the dropped 16 bits over 2**16, so that small updates survive on
+average). torchao calls a compiled function once per parameter per step; here the parameters of one
+(device, dtype, step count) are laid end to end in float32 a chunk of :attr:`StochasticAdamW.chunk_numel`
+elements at a time, and each chunk is updated by the same ops (17 on device-sized tensors) whatever the number of parameters in
+it: ops dispatched per step grow with the parameters' size, not their count.
+
+Given the same random bits it is bitwise torchao's update run eagerly (on a CPU, where ``randint``
+draws one value per element in order, a chunk draws what torchao's per-parameter draws do; tested).
+Under ``torch.compile`` torchao's update draws its bits from inductor's generator instead; then
+parameters agree to one bfloat16 step where the draws differ, moments to float32 rounding.
+
+Memory: parameters, gradients and moments as with torchao (2 bytes each a bfloat16 parameter, no
+float32 master), plus the chunk's temporaries while a step runs: about 36 bytes an element of the
+chunk (150 MiB at the default 2**22), freed after it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..torch_private import is_traceable_wrapper_subclass
+
+__all__ = ["StochasticAdamW"]
+
+
+def _round_stochastically(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` to bfloat16, away from zero with the probability of its lower 16 bits over 2**16:
+    torchao's ``_fp32_to_bf16_sr`` bit for bit given the same draws (it rounds up where ``rand < low
+    bits``, which is where ``low bits + 65535 - rand`` carries into bit 16), in place on one buffer."""
+    bits = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32)
+    bits.neg_().add_(65535).add_(x.view(torch.int32)).bitwise_and_(-65536)  # 0xFFFF0000
+    return bits.view(torch.float32).bfloat16()
+
+
+class _Piece:
+    """A run of one tensor's elements in a chunk: the whole tensor, or a slice of a contiguous one."""
+
+    __slots__ = ("index", "start", "numel")
+
+    def __init__(self, index: int, start: int, numel: int) -> None:
+        self.index, self.start, self.numel = index, start, numel
+
+
+def _chunks(tensors: list[torch.Tensor], limit: int) -> list[list[_Piece]]:
+    """``tensors`` laid end to end and cut every ``limit`` elements (a tensor not contiguous stays whole)."""
+    chunks: list[list[_Piece]] = [[]]
+    room = limit
+    for i, t in enumerate(tensors):
+        n, start = t.numel(), 0
+        if not t.is_contiguous():
+            if room < limit and n > room:
+                chunks.append([])
+                room = limit
+            chunks[-1].append(_Piece(i, 0, n))
+            room -= n
+            continue
+        while n > 0:
+            if room <= 0:
+                chunks.append([])
+                room = limit
+            take = min(n, room)
+            chunks[-1].append(_Piece(i, start, take))
+            start, n, room = start + take, n - take, room - take
+    return [c for c in chunks if c]
+
+
+def _flat(t: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """The piece's elements of ``t`` as a 1-D view (``t`` contiguous) or, not contiguous, ``t`` itself."""
+    if not t.is_contiguous():
+        return t
+    flat = t.view(-1)
+    return flat if piece.numel == flat.numel() else flat[piece.start:piece.start + piece.numel]
+
+
+def _elements(t: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """The piece's elements of ``t`` in order, 1-D (a copy where ``t`` is not contiguous)."""
+    flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+    return flat if piece.numel == flat.numel() else flat[piece.start:piece.start + piece.numel]
+
+
+class _Chunk:
+    """One chunk's pieces: their sizes, and the parameters' and moments' pieces as 1-D views (read by
+    ``cat`` and written by ``_foreach_copy_`` in place), a tensor not contiguous as itself."""
+
+    __slots__ = ("numel", "pieces", "sizes", "views", "odd")
+
+    def __init__(self, pieces: list[_Piece], kinds: list[list[torch.Tensor]]) -> None:
+        self.pieces, self.sizes = pieces, [piece.numel for piece in pieces]
+        self.numel = sum(self.sizes)
+        self.views = [[_flat(tensors[piece.index], piece) for piece in pieces] for tensors in kinds]
+        #: positions of the pieces that are whole tensors not contiguous (read by reshape, written by shape)
+        self.odd = [i for i, v in enumerate(self.views[0]) if not v.is_contiguous() or v.dim() != 1]
+
+    def read(self, views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        if self.odd:
+            views = [v.reshape(-1) if i in self.odd else v for i, v in enumerate(views)]
+        return torch.cat(views, out=torch.empty(self.numel, dtype=torch.float32, device=device))
+
+    def write(self, views: list[torch.Tensor], flat: torch.Tensor) -> None:
+        parts = list(flat.split(self.sizes))
+        for i in self.odd:
+            parts[i] = parts[i].view(views[i].shape)
+        torch._foreach_copy_(views, parts)
+
+
+class _Plan:
+    """The chunks of one run of parameters (and their moments), kept while none of them moved."""
+
+    __slots__ = ("key", "chunks")
+
+    def __init__(self, key: tuple[int, ...], params: list[torch.Tensor], m: list[torch.Tensor],
+                 v: list[torch.Tensor], limit: int) -> None:
+        self.key = key
+        self.chunks = [_Chunk(pieces, [params, m, v]) for pieces in _chunks(params, limit)]
+
+
+def _key(params: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor]) -> tuple[int, ...]:
+    """Where each tensor's memory is (a parameter given new data, a moment loaded: another key)."""
+    return tuple(t.data_ptr() for t in params) + tuple(t.data_ptr() for t in m) + tuple(t.data_ptr() for t in v) + tuple(
+        t.numel() for t in params)
+
+
+class StochasticAdamW(torch.optim.Optimizer):
+    """AdamW whose bfloat16 parameters are rounded stochastically after each update, with moments in
+    the parameters' dtype (see the module docstring): what ``memory_lean(..., master=False)`` trains.
+
+    ``lr`` may be a float or a tensor, and a scheduler may set either. Parameters of other dtypes are
+    updated the same way and rounded to nearest (float32 exactly)."""
+
+    #: what memory_lean(master=False) asks of an optimizer
+    bf16_stochastic_round = True
+
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, chunk_numel: int = 1 << 22) -> None:
+        lr_value = float(lr)
+        for name, value, ok, rule in (("lr", lr_value, lr_value >= 0, ">= 0"), ("eps", eps, eps >= 0, ">= 0"),
+                                      ("betas[0]", betas[0], 0 <= betas[0] < 1, "in [0, 1)"),
+                                      ("betas[1]", betas[1], 0 <= betas[1] < 1, "in [0, 1)"),
+                                      ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+                                      ("chunk_numel", chunk_numel, isinstance(chunk_numel, int) and chunk_numel > 0, "a whole number > 0")):
+            if not ok or (isinstance(value, float) and math.isnan(value)):
+                raise ValueError(f"StochasticAdamW: {name} must be {rule}, got {value!r}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.chunk_numel = chunk_numel
+        self._plans: dict[tuple[int, ...], _Plan] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One AdamW update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
+        for _, params in groups:  # every group checked before any is updated: a refusal changes nothing
+            self._check(params)
+        for group, params in groups:
+            if not params:
+                continue
+            states = [self._state(p) for p in params]
+            runs: dict[tuple[torch.device, torch.dtype, float], list[int]] = {}
+            for i, (p, state) in enumerate(zip(params, states)):
+                state["step"] += 1
+                runs.setdefault((p.device, p.dtype, state["step"]), []).append(i)
+            lr = group["lr"]
+            lr = lr.detach().to("cpu", torch.float32) if isinstance(lr, torch.Tensor) else torch.tensor(lr, dtype=torch.float32)
+            for (_, dtype, count), members in runs.items():
+                self._update([params[i] for i in members], [states[i] for i in members],
+                             torch.tensor(count, dtype=torch.float32), lr, group, stochastic=dtype == torch.bfloat16)
+        return loss
+
+    def _check(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            assert p.grad is not None
+            if p.grad.is_sparse:
+                raise RuntimeError("StochasticAdamW: sparse gradients are not supported (nn.Embedding(sparse=True)); "
+                                   "use a dense embedding, or torch.optim.SparseAdam for that parameter")
+            if not p.is_floating_point() or p.grad.dtype != p.dtype or p.grad.shape != p.shape:
+                raise TypeError(f"StochasticAdamW: a parameter of {p.dtype} {tuple(p.shape)} has a gradient of "
+                                f"{p.grad.dtype} {tuple(p.grad.shape)}; it takes floating-point parameters with "
+                                "gradients of their own dtype and shape")
+            if is_traceable_wrapper_subclass(p):
+                raise TypeError(f"StochasticAdamW: parameters of type {type(p).__name__} (a tensor subclass: DTensor, "
+                                "a quantized weight) are not supported; use torchao's optimizers for those")
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0.0  # a number on the host (torch's AdamW kept one before 1.12): read without a sync
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif isinstance(state["step"], torch.Tensor):  # a state_dict whose steps are tensors (torchao's, torch's)
+            state["step"] = float(state["step"])
+        return state
+
+    def _update(self, params: list[torch.Tensor], states: list[dict[str, Any]], step: torch.Tensor, lr: torch.Tensor,
+                group: dict[str, Any], stochastic: bool) -> None:
+        """Update ``params`` (one device, dtype and step count) a chunk at a time, each chunk in float32."""
+        beta1, beta2 = group["betas"]
+        decay = lr * group["weight_decay"]
+        correction1, correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+        root2 = correction2.sqrt()
+        m_all = [s["exp_avg"] for s in states]
+        v_all = [s["exp_avg_sq"] for s in states]
+        key = _key(params, m_all, v_all)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 8:  # runs that are gone (parameters moved, states loaded)
+                self._plans.clear()
+            for p, state in zip(params, states):  # moments in their parameter's layout (a state loaded in another)
+                for name in ("exp_avg", "exp_avg_sq"):
+                    if state[name].stride() != p.stride():
+                        state[name] = torch.empty_like(p).copy_(state[name])
+            m_all, v_all = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            key = _key(params, m_all, v_all)
+            plan = self._plans[key] = _Plan(key, params, m_all, v_all, self.chunk_numel)
+        grads = [p.grad for p in params]
+        device = params[0].device
+        for chunk in plan.chunks:
+            p_views, m_views, v_views = chunk.views
+            g = torch.cat([_elements(grads[piece.index], piece) for piece in chunk.pieces],  # type: ignore[arg-type]
+                          out=torch.empty(chunk.numel, dtype=torch.float32, device=device))
+            p, m, v = chunk.read(p_views, device), chunk.read(m_views, device), chunk.read(v_views, device)
+            p.sub_(p * decay)
+            m.lerp_(g, 1 - beta1)
+            v.lerp_(g.square(), 1 - beta2)
+            del g
+            chunk.write(m_views, m)
+            chunk.write(v_views, v)
+            denom = v.sqrt_().div_(root2).add_(group["eps"])
+            p.sub_(m.div_(correction1).mul_(lr).div_(denom))
+            del m, v, denom
+            chunk.write(p_views, _round_stochastically(p) if stochastic else p)

@@ -1,0 +1,298 @@
+"""StochasticAdamW: torchao's stochastic-rounding AdamW update, a few multi-tensor ops a step.
+
+References: torchao's ``single_param_adam`` run eagerly with the same random bits (bitwise), torchao's
+compiled ``_AdamW`` (one bfloat16 step), ``torch.optim.AdamW`` on float32 (float32 rounding), ops
+counted directly with a dispatch mode."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from amp_backends.memory import StochasticAdamW, memory_lean
+from amp_backends.memory.sr_adamw import _round_stochastically
+from fp8_marks import needs_torchao
+
+
+def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in shapes]
+
+
+def _grads(params: list[nn.Parameter], step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(p.shape, generator=g) * 0.01).to(p.dtype) for p in params]
+
+
+SHAPES = [(7, 5), (3,), (40,), (2, 3, 4), (1,), (33, 2)]
+
+
+def _torchao_eager(params: list[nn.Parameter], grads: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]],
+                   lr: float, wd: float) -> None:
+    """torchao's update of each parameter in turn, eagerly (its compiled function, uncompiled)."""
+    from torchao.optim.adam import single_param_adam
+
+    for p, g in zip(params, grads):
+        st = states.setdefault(id(p), {"step": torch.tensor(0.0), "m": torch.zeros_like(p), "v": torch.zeros_like(p)})
+        st["step"] += 1
+        single_param_adam(p.detach(), g, st["step"], st["m"], st["v"], None, torch.tensor(lr, dtype=torch.float32),
+                          0.9, 0.999, wd, 1e-8, True, p.dtype is torch.bfloat16)
+
+
+@needs_torchao
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("chunk", [1 << 22, 16], ids=["one-chunk", "tensors-cut-across-chunks"])
+def test_bitwise_torchaos_update_with_the_same_random_bits(dtype: torch.dtype, chunk: int) -> None:
+    """Five steps, the learning rate changed by a scheduler in between (a float): parameters and both
+    moments bitwise torchao's per-parameter update run eagerly, given the same generator state (a CPU
+    draws one value an element in order, so one draw a chunk is the per-parameter draws laid end to
+    end); a non-contiguous parameter among them; bf16 rounded stochastically, fp16 and fp32 to nearest."""
+    ours = _params(SHAPES, dtype)
+    ours.append(nn.Parameter(torch.randn(6, 4).to(dtype).t()))  # not contiguous
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = StochasticAdamW(ours, lr=1e-2, weight_decay=0.1, chunk_numel=chunk)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(5):
+        grads = _grads(ours, step)
+        for p, g in zip(ours, grads):
+            p.grad = g.clone()
+        lr = opt.param_groups[0]["lr"]
+        torch.manual_seed(step)
+        opt.step()
+        sched.step()
+        torch.manual_seed(step)
+        _torchao_eager(ref, grads, states, lr, 0.1)
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b), (step, a.shape, (a.float() - b.float()).abs().max())
+            assert torch.equal(opt.state[a]["exp_avg"], states[id(b)]["m"])
+            assert torch.equal(opt.state[a]["exp_avg_sq"], states[id(b)]["v"])
+    assert not ours[0].equal(ref[0].new_zeros(ref[0].shape)) and opt.state[ours[0]]["step"] == 5
+
+
+@needs_torchao
+def test_within_one_bf16_step_of_torchaos_compiled_optimizer() -> None:
+    """torchao's ``_AdamW(bf16_stochastic_round=True)`` as users run it (compiled; its random bits from
+    inductor's generator): from the same parameters and moments, each of three steps leaves the moments
+    bitwise and the parameters at most one bf16 step from torchao's (where the draws chose the other
+    neighbour); ours then take torchao's values for the next step."""
+    from torchao.optim import _AdamW
+
+    ours, theirs = _params(SHAPES, torch.bfloat16), _params(SHAPES, torch.bfloat16)
+    a, b = StochasticAdamW(ours, lr=1e-2), _AdamW(theirs, lr=1e-2, bf16_stochastic_round=True)
+    for step in range(3):
+        for p, q, g in zip(ours, theirs, _grads(ours, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+        for p, q in zip(ours, theirs):
+            spacing = (q.float().abs() * torch.finfo(torch.bfloat16).eps).clamp_min(torch.finfo(torch.bfloat16).tiny)
+            assert ((p.float() - q.float()).abs() <= spacing).all(), step
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(a.state[p][key], b.state[q][key]), key
+            with torch.no_grad():
+                p.copy_(q)
+
+
+def test_float32_parameters_follow_torchs_adamw() -> None:
+    """Without torchao: float32 parameters are updated as ``torch.optim.AdamW`` updates them, within
+    float32 rounding (torch's second moment is ``mul_ + addcmul_``, torchao's a ``lerp``), over 20 steps."""
+    ours, theirs = _params(SHAPES, torch.float32), _params(SHAPES, torch.float32)
+    a = StochasticAdamW(ours, lr=1e-2, weight_decay=0.05)
+    b = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.05, foreach=False)
+    for step in range(20):
+        for p, q, g in zip(ours, theirs, _grads(ours, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_rounding_is_unbiased_where_round_to_nearest_stalls() -> None:
+    """A value a quarter of a bf16 step above 1: rounding to nearest gives 1 every time; rounded
+    stochastically, a quarter of 100,000 go up (within 1%), the mean is the value (the update kept on
+    average), and every result is one of the two neighbours."""
+    step = torch.finfo(torch.bfloat16).eps
+    x = torch.full((100_000,), 1 + step / 4)
+    torch.manual_seed(0)
+    out = _round_stochastically(x)
+    assert out.dtype == torch.bfloat16 and set(out.float().unique().tolist()) == {1.0, 1 + step}
+    assert abs((out.float() == 1 + step).float().mean().item() - 0.25) < 0.01
+    assert abs(out.float().mean().item() - (1 + step / 4)) < step / 100
+    assert torch.equal(x.bfloat16(), torch.ones_like(out))
+    neg = _round_stochastically(-x)  # away from zero for negatives too
+    assert set(neg.float().unique().tolist()) == {-1.0, -1 - step}
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the ops that do device work (views and allocations left out)."""
+
+    FREE = {"empty", "empty_strided", "split_with_sizes", "split", "view", "alias", "detach", "_local_scalar_dense",
+            "_to_copy", "lift_fresh", "stack"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not func.is_view and func._schema.name.split("::")[-1] not in self.FREE:
+            on_device = any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args)
+            self.count += on_device
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(count: int, numel: int) -> int:
+    params = _params([(numel // count,)] * count, torch.bfloat16)
+    opt = StochasticAdamW(params, lr=1e-3)
+    for step in range(2):
+        for p, g in zip(params, _grads(params, step)):
+            p.grad = g
+        if step == 1:
+            with _Ops() as counter:
+                opt.step()
+            return counter.count
+        opt.step()
+    raise AssertionError
+
+
+def test_a_step_is_a_constant_number_of_ops_whatever_the_number_of_parameters() -> None:
+    """Ops on parameter-sized tensors dispatched by one step, counted directly: the same for 4 and 256
+    parameters of the same total size (torchao's step calls its compiled update once per parameter)."""
+    few, many = _ops(4, 4096), _ops(256, 4096)
+    assert few == many, (few, many)
+    assert few <= 24, few
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 4, generator=g)
+    out = []
+    for _ in range(8):
+        x = torch.randn(32, 16, generator=g)
+        out.append((x, (x @ w).argmax(1)))
+    return out
+
+
+def _optimizer(model: nn.Module, lean: bool) -> torch.optim.Optimizer:
+    if lean:
+        return memory_lean(model, StochasticAdamW(model.parameters(), lr=3e-3), backend="cpu",
+                           weights=torch.bfloat16, master=False).optimizer
+    return torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, lean: bool = True) -> list[float]:
+    losses = []
+    for i in steps:
+        x, y = _data()[i % 8]
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=lean):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_memory_lean_without_masters_trains_with_it_as_float32_adamw_does() -> None:
+    """memory_lean(master=False) takes it (bf16 weights and moments, norms float32): over 80 steps the
+    loss falls as float32 AdamW's does (the last 8 steps' mean within 0.1 of it, and below a third of
+    the first)."""
+    model = _mlp()
+    opt = _optimizer(model, True)
+    torch.manual_seed(0)
+    lean = _steps(model, opt, range(80))
+    assert model[0].weight.dtype == torch.bfloat16 and model[2].weight.dtype == torch.float32
+    assert opt.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16
+    plain_model = _mlp()
+    plain = _steps(plain_model, _optimizer(plain_model, False), range(80), lean=False)
+    tail, plain_tail = sum(lean[-8:]) / 8, sum(plain[-8:]) / 8
+    assert tail < lean[0] / 3 and abs(tail - plain_tail) < 0.1, (lean[0], tail, plain_tail)
+
+
+def test_state_dict_resumes_bitwise() -> None:
+    """Ten steps straight, or five, the model's and the optimizer's state_dicts through copies into a new
+    model and optimizer, and five more (the generator's state carried): bitwise the same parameters and
+    moments."""
+    straight = _mlp()
+    opt = _optimizer(straight, True)
+    torch.manual_seed(0)
+    _steps(straight, opt, range(10))
+    half = _mlp()
+    first = _optimizer(half, True)
+    torch.manual_seed(0)
+    _steps(half, first, range(5))
+    rng = torch.get_rng_state()
+    weights, saved = copy.deepcopy(half.state_dict()), copy.deepcopy(first.state_dict())
+    again = _mlp()
+    second = _optimizer(again, True)
+    again.load_state_dict(weights)
+    second.load_state_dict(saved)
+    torch.set_rng_state(rng)
+    _steps(again, second, range(5, 10))
+    for a, b in zip(again.parameters(), straight.parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+        assert second.state[a]["step"] == opt.state[b]["step"] == 10
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(second.state[a][key], opt.state[b][key])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(lr=-1.0), "lr must be >= 0"),
+    (dict(betas=(1.0, 0.999)), r"betas\[0\] must be in \[0, 1\)"),
+    (dict(eps=float("nan")), "eps must be >= 0"),
+    (dict(chunk_numel=0), "chunk_numel must be a whole number > 0"),
+])
+def test_bad_settings_are_refused_by_name(kwargs: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=message):
+        StochasticAdamW(_params([(3,)], torch.bfloat16), **kwargs)
+
+
+def test_a_bad_gradient_in_a_later_group_is_refused_before_anything_changes() -> None:
+    """A sparse gradient, or a complex parameter, in the second group: refused naming it and the way
+    out, and neither group's parameters nor state changed."""
+    first, second = _params([(4,)], torch.bfloat16), _params([(5,)], torch.bfloat16, seed=1)
+    odd = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    opt = StochasticAdamW([{"params": first}, {"params": second + [odd]}], lr=1e-2)
+    first[0].grad = torch.ones(4, dtype=torch.bfloat16)
+    before = [first[0].detach().clone(), second[0].detach().clone()]
+    odd.grad = torch.ones(3, dtype=torch.complex64)
+    with pytest.raises(TypeError, match="it takes floating-point parameters"):
+        opt.step()
+    odd.grad = None
+    second[0].grad = torch.ones(5, dtype=torch.bfloat16).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradients are not supported.*SparseAdam"):
+        opt.step()
+    assert torch.equal(first[0], before[0]) and torch.equal(second[0], before[1]) and not opt.state
+
+
+def test_parameters_given_new_data_between_steps_are_the_ones_updated() -> None:
+    """Each parameter's data replaced by a copy after the first step (``p.data = ...``, as
+    ``Lean.remove`` and ``model.to`` do), and a moment replaced by one in another layout: the second
+    step updates the new tensors, bitwise as an optimizer whose tensors stayed put (the planned views
+    of the old memory are not reused)."""
+    stay, moved = _params(SHAPES, torch.bfloat16), _params(SHAPES, torch.bfloat16)
+    a, b = StochasticAdamW(stay, lr=1e-2, chunk_numel=64), StochasticAdamW(moved, lr=1e-2, chunk_numel=64)
+    for step in range(3):
+        for p, q, g in zip(stay, moved, _grads(stay, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        torch.manual_seed(step)
+        a.step()
+        torch.manual_seed(step)
+        b.step()
+        for q in moved:
+            q.data = q.data.clone()
+        b.state[moved[0]]["exp_avg"] = b.state[moved[0]]["exp_avg"].t().contiguous().t()  # same values, transposed strides
+        for p, q in zip(stay, moved):
+            assert torch.equal(p, q), step
+            assert torch.equal(a.state[p]["exp_avg"], b.state[q]["exp_avg"])
