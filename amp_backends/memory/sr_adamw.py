@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..torch_private import is_traceable_wrapper_subclass
+from ..torch_private import foreach_copy_, is_traceable_wrapper_subclass
 
 __all__ = ["StochasticAdamW"]
 
@@ -109,7 +109,7 @@ class _Chunk:
         parts = list(flat.split(self.sizes))
         for i in self.odd:
             parts[i] = parts[i].view(views[i].shape)
-        torch._foreach_copy_(views, parts)
+        foreach_copy_(views, parts)
 
 
 class _Plan:
