@@ -154,7 +154,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         self._plans: dict[tuple[int, ...], _Plan] = {}
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW update of every parameter that has a gradient."""
         loss = None
         if closure is not None:
