@@ -32,6 +32,15 @@ def _grads(params: list[nn.Parameter], step: int) -> list[torch.Tensor]:
 SHAPES = [(7, 5), (3,), (40,), (2, 3, 4), (1,), (33, 2)]
 
 
+def _step_both(a: torch.optim.Optimizer, b: torch.optim.Optimizer, ours: list[nn.Parameter],
+               theirs: list[nn.Parameter], step: int) -> None:
+    """The same gradients to both sets of parameters, then a step of each optimizer."""
+    for p, q, g in zip(ours, theirs, _grads(ours, step)):
+        p.grad, q.grad = g.clone(), g.clone()
+    a.step()
+    b.step()
+
+
 def _torchao_eager(params: list[nn.Parameter], grads: list[torch.Tensor], states: dict[int, dict[str, torch.Tensor]],
                    lr: float, wd: float) -> None:
     """torchao's update of each parameter in turn, eagerly (its compiled function, uncompiled)."""
@@ -86,10 +95,7 @@ def test_within_one_bf16_step_of_torchaos_compiled_optimizer() -> None:
     ours, theirs = _params(SHAPES, torch.bfloat16), _params(SHAPES, torch.bfloat16)
     a, b = StochasticAdamW(ours, lr=1e-2), _AdamW(theirs, lr=1e-2, bf16_stochastic_round=True)
     for step in range(3):
-        for p, q, g in zip(ours, theirs, _grads(ours, step)):
-            p.grad, q.grad = g.clone(), g.clone()
-        a.step()
-        b.step()
+        _step_both(a, b, ours, theirs, step)
         for p, q in zip(ours, theirs):
             spacing = (q.float().abs() * torch.finfo(torch.bfloat16).eps).clamp_min(torch.finfo(torch.bfloat16).tiny)
             assert ((p.float() - q.float()).abs() <= spacing).all(), step
@@ -106,10 +112,7 @@ def test_float32_parameters_follow_torchs_adamw() -> None:
     a = StochasticAdamW(ours, lr=1e-2, weight_decay=0.05)
     b = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.05, foreach=False)
     for step in range(20):
-        for p, q, g in zip(ours, theirs, _grads(ours, step)):
-            p.grad, q.grad = g.clone(), g.clone()
-        a.step()
-        b.step()
+        _step_both(a, b, ours, theirs, step)
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
