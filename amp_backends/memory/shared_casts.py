@@ -27,10 +27,10 @@ without the lever, and the lever says it stood aside (:func:`.substitutes.stand_
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdRef
 import torch.nn.functional as F
 from torch import nn
 
@@ -58,8 +58,8 @@ class _First:
     __slots__ = ("copy", "dtype", "version", "x")
 
     def __init__(self, x: torch.Tensor, copy: torch.Tensor) -> None:
-        self.x = weakref.ref(x, functools.partial(_forget, id(x)))
-        self.copy, self.version, self.dtype = weakref.ref(copy), x._version, copy.dtype
+        self.x = WeakIdRef(x, functools.partial(_forget, id(x)))
+        self.copy, self.version, self.dtype = WeakIdRef(copy), x._version, copy.dtype
 
 
 #: id of a live float32 activation -> its first copy

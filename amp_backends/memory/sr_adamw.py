@@ -6,17 +6,17 @@ dtype), the moments rounded to nearest, the parameter rounded stochastically to 
 zero with the probability of the dropped 16 bits over 2**16, so that small updates survive on
 average). torchao calls a compiled function once per parameter per step; here the parameters of one
 (device, dtype, step count) are laid end to end in float32 a chunk of :attr:`StochasticAdamW.chunk_numel`
-elements at a time, and each chunk is updated by the same ops (17 on device-sized tensors) whatever the number of parameters in
-it: ops dispatched per step grow with the parameters' size, not their count.
+elements at a time, and each chunk is updated by the same 21 ops on element-sized tensors whatever
+the number of parameters in it: ops dispatched per step grow with the parameters' size, not their count.
 
 Given the same random bits it is bitwise torchao's update run eagerly (on a CPU, where ``randint``
 draws one value per element in order, a chunk draws what torchao's per-parameter draws do; tested).
 Under ``torch.compile`` torchao's update draws its bits from inductor's generator instead; then
-parameters agree to one bfloat16 step where the draws differ, moments to float32 rounding.
+parameters agree to one bfloat16 step where the draws differ, and moments bitwise.
 
 Memory: parameters, gradients and moments as with torchao (2 bytes each a bfloat16 parameter, no
-float32 master), plus the chunk's temporaries while a step runs: about 36 bytes an element of the
-chunk (150 MiB at the default 2**22), freed after it.
+float32 master), plus the chunk's temporaries while a step runs: at most 20 bytes an element of the
+chunk (four float32 copies and the gradient's square; 80 MiB at the default 2**22), freed after it.
 """
 
 from __future__ import annotations
@@ -100,10 +100,10 @@ class _Chunk:
         #: positions of the pieces that are whole tensors not contiguous (read by reshape, written by shape)
         self.odd = [i for i, v in enumerate(self.views[0]) if not v.is_contiguous() or v.dim() != 1]
 
-    def read(self, views: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    def read(self, views: list[torch.Tensor]) -> torch.Tensor:
         if self.odd:
             views = [v.reshape(-1) if i in self.odd else v for i, v in enumerate(views)]
-        return torch.cat(views, out=torch.empty(self.numel, dtype=torch.float32, device=device))
+        return torch.cat(views).float()  # (one dtype in and out: CUDA's cat batches its inputs only then)
 
     def write(self, views: list[torch.Tensor], flat: torch.Tensor) -> None:
         parts = list(flat.split(self.sizes))
@@ -151,7 +151,10 @@ class StochasticAdamW(torch.optim.Optimizer):
                 raise ValueError(f"StochasticAdamW: {name} must be {rule}, got {value!r}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.chunk_numel = chunk_numel
+        #: the views of each run of parameters, by where their memory is; a plan no step used is dropped
+        #: (it would hold memory a parameter given new data has left)
         self._plans: dict[tuple[int, ...], _Plan] = {}
+        self._used: set[tuple[int, ...]] = set()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -176,6 +179,9 @@ class StochasticAdamW(torch.optim.Optimizer):
             for (_, dtype, count), members in runs.items():
                 self._update([params[i] for i in members], [states[i] for i in members],
                              torch.tensor(count, dtype=torch.float32), lr, group, stochastic=dtype == torch.bfloat16)
+        if len(self._plans) > len(self._used):
+            self._plans = {key: plan for key, plan in self._plans.items() if key in self._used}
+        self._used.clear()
         return loss
 
     def _check(self, params: list[torch.Tensor]) -> None:
@@ -214,8 +220,6 @@ class StochasticAdamW(torch.optim.Optimizer):
         key = _key(params, m_all, v_all)
         plan = self._plans.get(key)
         if plan is None:
-            if len(self._plans) > 8:  # runs that are gone (parameters moved, states loaded)
-                self._plans.clear()
             for p, state in zip(params, states):  # moments in their parameter's layout (a state loaded in another)
                 for name in ("exp_avg", "exp_avg_sq"):
                     if state[name].stride() != p.stride():
@@ -223,13 +227,12 @@ class StochasticAdamW(torch.optim.Optimizer):
             m_all, v_all = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
             key = _key(params, m_all, v_all)
             plan = self._plans[key] = _Plan(key, params, m_all, v_all, self.chunk_numel)
+        self._used.add(key)
         grads = [p.grad for p in params]
-        device = params[0].device
         for chunk in plan.chunks:
             p_views, m_views, v_views = chunk.views
-            g = torch.cat([_elements(grads[piece.index], piece) for piece in chunk.pieces],  # type: ignore[arg-type]
-                          out=torch.empty(chunk.numel, dtype=torch.float32, device=device))
-            p, m, v = chunk.read(p_views, device), chunk.read(m_views, device), chunk.read(v_views, device)
+            g = torch.cat([_elements(grads[piece.index], piece) for piece in chunk.pieces]).float()  # type: ignore[arg-type]
+            p, m, v = chunk.read(p_views), chunk.read(m_views), chunk.read(v_views)
             p.sub_(p * decay)
             m.lerp_(g, 1 - beta1)
             v.lerp_(g.square(), 1 - beta2)
@@ -240,3 +243,4 @@ class StochasticAdamW(torch.optim.Optimizer):
             p.sub_(m.div_(correction1).mul_(lr).div_(denom))
             del m, v, denom
             chunk.write(p_views, _round_stochastically(p) if stochastic else p)
+            del p  # before the next chunk's copies are made: one chunk's temporaries at a time

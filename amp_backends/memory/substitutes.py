@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdRef
 from torch import nn
 
 from .. import torch_private
@@ -60,7 +61,7 @@ class _Tag:
 
     def __init__(self, tensor: torch.Tensor, source: torch.Tensor,
                  make: Callable[[torch.Tensor], torch.Tensor] | None, what: str) -> None:
-        self.tensor = weakref.ref(tensor, functools.partial(_forget, id(tensor)))
+        self.tensor = WeakIdRef(tensor, functools.partial(_forget, id(tensor)))
         self.source, self.make, self.version, self.what = source, make, tensor._version, what
         self.source_version = source._version
 
@@ -90,7 +91,7 @@ class _Stored:
 
     def __init__(self, scope: _Scope, packed: Any, tag: _Tag, view: torch.Tensor, base: torch.Tensor) -> None:
         self.scope, self.packed, self.make, self.what = scope, packed, tag.make, tag.what
-        self.source, self.version = weakref.ref(tag.source), tag.source._version
+        self.source, self.version = WeakIdRef(tag.source), tag.source._version
         self.source_layout = (tag.source.size(), tag.source.stride())
         self.size, self.stride = view.size(), view.stride()
         self.offset = view.storage_offset() - base.storage_offset()  # where the view starts in the tensor

@@ -7,6 +7,7 @@ counted directly with a dispatch mode."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -137,7 +138,7 @@ class _Ops(TorchDispatchMode):
     """Counts the ops that do device work (views and allocations left out)."""
 
     FREE = {"empty", "empty_strided", "split_with_sizes", "split", "view", "alias", "detach", "_local_scalar_dense",
-            "_to_copy", "lift_fresh", "stack"}
+            "lift_fresh"}
 
     def __init__(self) -> None:
         super().__init__()
@@ -170,6 +171,52 @@ def test_a_step_is_a_constant_number_of_ops_whatever_the_number_of_parameters() 
     few, many = _ops(4, 4096), _ops(256, 4096)
     assert few == many, (few, many)
     assert few <= 24, few
+
+
+class _Live(TorchDispatchMode):
+    """The bytes of the tensors ops make that are alive at once, at most (counted directly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages: set[int] = set()  # counted once: an in-place op hands its input back
+        self.keep: list[object] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and not func.is_view and t._base is None and t.numel() > 1:
+                key = t.untyped_storage().data_ptr()
+                if key in self.storages or any(a is t for a in args):
+                    continue
+                n = t.untyped_storage().nbytes()
+                self.storages.add(key)
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                self.keep.append(weakref.finalize(t, self._gone, key, n))
+        return out
+
+    def _gone(self, key: int, n: int) -> None:
+        self.storages.discard(key)
+        self.live -= n
+
+
+@pytest.mark.parametrize("chunk", [1 << 22, 4096])
+def test_a_steps_temporaries_are_at_most_20_bytes_an_element_of_a_chunk(chunk: int) -> None:
+    """The tensors a step makes, alive at once: at most 20 bytes an element of the chunk (four float32
+    copies and the gradient's square), for 65,536 elements in one chunk or in chunks of 4,096 (a step
+    over many chunks holds one chunk's)."""
+    params = _params([(1 << 14,)] * 4, torch.bfloat16)
+    opt = StochasticAdamW(params, lr=1e-3, chunk_numel=chunk)
+    for step in range(2):
+        for p, g in zip(params, _grads(params, step)):
+            p.grad = g
+        if step == 1:
+            with _Live() as live:
+                opt.step()
+        else:
+            opt.step()
+    assert 0 < live.peak <= 20 * min(chunk, 1 << 16), live.peak
 
 
 def _mlp() -> nn.Sequential:
@@ -283,7 +330,7 @@ def test_parameters_given_new_data_between_steps_are_the_ones_updated() -> None:
     """Each parameter's data replaced by a copy after the first step (``p.data = ...``, as
     ``Lean.remove`` and ``model.to`` do), and a moment replaced by one in another layout: the second
     step updates the new tensors, bitwise as an optimizer whose tensors stayed put (the planned views
-    of the old memory are not reused)."""
+    of the old memory are not reused, nor kept: they would hold that memory)."""
     stay, moved = _params(SHAPES, torch.bfloat16), _params(SHAPES, torch.bfloat16)
     a, b = StochasticAdamW(stay, lr=1e-2, chunk_numel=64), StochasticAdamW(moved, lr=1e-2, chunk_numel=64)
     for step in range(3):
@@ -299,3 +346,4 @@ def test_parameters_given_new_data_between_steps_are_the_ones_updated() -> None:
         for p, q in zip(stay, moved):
             assert torch.equal(p, q), step
             assert torch.equal(a.state[p]["exp_avg"], b.state[q]["exp_avg"])
+        assert len(b._plans) == 1, "the plan of the memory the parameters left is dropped"

@@ -739,6 +739,31 @@ def test_the_users_own_hooks_see_and_return_what_they_would_without_the_levers(
         assert seen == [torch.float32, torch.float32], "the hook sees the float32 input's gradient, as without the lever"
 
 
+def test_a_copy_from_a_forward_whose_graph_is_then_freed_serves_the_next_one() -> None:
+    """The same float32 input read by sibling linears in two forwards while the first's graph lives: the
+    second's copy is saved as the first's (equal bitwise), then the first graph is freed before the
+    second backward. The first copy, reached through a weak reference, must stay a whole tensor (torch
+    2.9 freed it under a live Python object: "sym_strides() called on an undefined Tensor"); the
+    gradients are bitwise those without the lever."""
+    import gc
+
+    other = torch.randn(4, 8)
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = _Projections(False)
+        if on:
+            share_casts(model)
+        x = torch.randn(4, 8, requires_grad=True)
+        for _ in range(2):  # the first forward's graph is dropped when the second's loss replaces it
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, other).float().pow(2).sum()
+        gc.collect()
+        loss.backward()
+        grads.append([x.grad, *[p.grad for p in model.parameters()]])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("then", ["next-step", "remove"])
 def test_a_forward_a_keyboard_interrupt_ends_leaves_no_hooks_in_force_after_the_next_step_or_remove(then: str) -> None:
     """torch runs always-call forward hooks for an Exception only: a KeyboardInterrupt inside a block
