@@ -238,20 +238,25 @@ def part_bench(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     return result
 
 
+def _script(name: str, args: list[str], budget: float, env: dict[str, str] | None = None) -> str:
+    """Run ``bench/<name>`` in a process of its own within ``budget`` seconds; its standard output."""
+    try:
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / name), *args], cwd=ROOT, env=env or _env(),
+                              capture_output=True, text=True, timeout=budget)
+    except subprocess.TimeoutExpired:
+        raise PartTimeout(f"bench/{name} past its budget of {budget:.0f} s") from None
+    if proc.returncode:
+        raise RuntimeError(f"bench/{name} exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
+    return proc.stdout
+
+
 def part_kernels(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     """bench/unscale.py's figures (its own process; ``--smoke`` under Triton's interpreter on a CPU)."""
     out = Path(ctx["json"]).with_name("unscale.json")
-    cmd = [sys.executable, str(ROOT / "bench" / "unscale.py"), "--json", str(out)]
     env = _env()
     if ctx["smoke"]:
-        cmd.append("--smoke")
         env["TRITON_INTERPRET"] = "1"
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget)
-    except subprocess.TimeoutExpired:
-        raise PartTimeout(f"bench/unscale.py past its budget of {budget:.0f} s") from None
-    if proc.returncode:
-        raise RuntimeError(f"bench/unscale.py exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
+    _script("unscale.py", ["--json", str(out), *(["--smoke"] if ctx["smoke"] else [])], budget, env)
     return json.loads(out.read_text())
 
 
@@ -259,16 +264,8 @@ def part_optimizer(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     """bench/sr_step.py's figures: the stochastic-rounding step (StochasticAdamW, torchao's) against AdamW on
     float32 masters, on BERT-base's parameter shapes (its own process; ``--smoke``: small, without torchao's
     compiles)."""
-    cmd = [sys.executable, str(ROOT / "bench" / "sr_step.py"), "--json"]
-    if ctx["smoke"]:
-        cmd += ["--smoke", "--skip-torchao"]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=budget)
-    except subprocess.TimeoutExpired:
-        raise PartTimeout(f"bench/sr_step.py past its budget of {budget:.0f} s") from None
-    if proc.returncode:
-        raise RuntimeError(f"bench/sr_step.py exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+    out = _script("sr_step.py", ["--json", *(["--smoke", "--skip-torchao"] if ctx["smoke"] else [])], budget)
+    return json.loads(out[out.index("{"):])
 
 
 def part_fp8(ctx: dict[str, Any], budget: float) -> dict[str, Any]:

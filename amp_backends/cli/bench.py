@@ -332,9 +332,10 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
         bar.close()
     base_ms = {(r["model"], r["mode"]): r["step_ms"] for r in rows if r["mode"] in ("fp32", "bf16-fp8-baseline")}
     for row in rows:  # both steps of a few ms: launches and host work decide, not the arithmetic
-        if "compiled" in row and not (row["compiled"] and row.get("speedup_vs_bf16")):
-            continue  # an eager fp8 row or the fp8 rows' baseline: its verdict already says why
-        base = base_ms.get((row["model"], "bf16-fp8-baseline" if "compiled" in row else "fp32"))
+        fp8 = row["via"] in _FP8_VIAS
+        if fp8 and not (row.get("compiled") and row.get("speedup_vs_bf16")):
+            continue  # an eager or unavailable fp8 row, or their baseline: its verdict already says why
+        base = base_ms.get((row["model"], "bf16-fp8-baseline" if fp8 else "fp32"))
         if row["step_ms"] is not None and base is not None and max(row["step_ms"], base) < HOST_BOUND_MS:
             row["verdict"] = "host-bound: no verdict"
     if be.device_type == "cuda":
@@ -359,8 +360,12 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
     }
 
 
+#: the ``via`` of the fp8 rows (compared with their bf16 baseline, not fp32)
+_FP8_VIAS = ("amp-fp8", "torchao-fp8", "fp8-baseline")
+
+
 def _fp8(mode: Mode) -> bool:
-    return mode.via in ("amp-fp8", "torchao-fp8", "fp8-baseline")
+    return mode.via in _FP8_VIAS
 
 
 def _iqr(ratios: Sequence[float]) -> dict[str, Any]:
@@ -431,7 +436,7 @@ def recommend(rows: list[dict[str, Any]], notes: dict[str, dict[str, Any]] | Non
     out = []
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model and r.get("step_ms") is not None
-                and r["via"] not in ("torch", "amp-fp8", "torchao-fp8", "fp8-baseline")]
+                and r["via"] != "torch" and r["via"] not in _FP8_VIAS]
         ranked = sorted(mine, key=lambda r: r["step_ms"])
         best, runner = ranked[0], (ranked[1] if len(ranked) > 1 else None)
         host_bound = bool((notes or {}).get(model, {}).get("host_bound"))

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision.fp32_forward import Fp32Forward
 from . import substitutes
 from .activations import _approximate, _FusedGelu
 from .substitutes import SubstituteSourceEdited
@@ -91,8 +90,8 @@ def _tag(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     if fn is not None:
         substitutes.substitute(output, args[0], fn, "an activation's input")
         substitutes.open_scope(output)  # until its consumer, later in the block, saves it
-    elif "forward" in vars(module) and not isinstance(vars(module)["forward"], Fp32Forward):  # another's
-        substitutes.stand_aside(module, _tag, "activation_outputs", substitutes.replaced_forward(module))
+    elif (foreign := substitutes.foreign_forward(module)) is not None:
+        substitutes.stand_aside(module, _tag, "activation_outputs", foreign)
 
 
 class ActivationOutputs(substitutes.Hooked):

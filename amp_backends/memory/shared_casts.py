@@ -34,7 +34,6 @@ from torch.utils.weak import WeakIdRef
 import torch.nn.functional as F
 from torch import nn
 
-from ..precision.fp32_forward import Fp32Forward
 from ..torch_private import DisableTorchDispatch, current_graph_task_id
 from . import substitutes
 
@@ -80,9 +79,6 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         return None
-    replaced = module.__dict__.get("forward")
-    if isinstance(replaced, Fp32Forward):
-        return None  # a precision policy's float32 forward: the input is given to it as it came
     if x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled():
         return None  # autocast caches its cast of a leaf that requires grad: one copy, as without the lever
     device = x.device.type
@@ -91,8 +87,10 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     dtype = torch.get_autocast_dtype(device)
     if dtype == torch.float32 or not autocast_casts_linear(device, dtype):
         return None
-    if replaced is not None:  # another's forward on the layer (accelerate's hooks): given the input as it came
-        substitutes.stand_aside(module, _cast, "shared_casts", substitutes.replaced_forward(module))
+    if "forward" in module.__dict__:  # a forward set on the layer is given its input as it came: a precision
+        foreign = substitutes.foreign_forward(module)  # policy's float32 one, or another's (accelerate's hooks)
+        if foreign is not None:
+            substitutes.stand_aside(module, _cast, "shared_casts", foreign)
         return None
     if substitutes.others_hooked(module, _cast):  # they see its input and its gradient in float32, as without it
         substitutes.stand_aside(module, _cast, "shared_casts")

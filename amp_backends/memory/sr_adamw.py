@@ -115,11 +115,9 @@ class _Chunk:
 class _Plan:
     """The chunks of one run of parameters (and their moments), kept while none of them moved."""
 
-    __slots__ = ("key", "chunks")
+    __slots__ = ("chunks",)
 
-    def __init__(self, key: tuple[int, ...], params: list[torch.Tensor], m: list[torch.Tensor],
-                 v: list[torch.Tensor], limit: int) -> None:
-        self.key = key
+    def __init__(self, params: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], limit: int) -> None:
         self.chunks = [_Chunk(pieces, [params, m, v]) for pieces in _chunks(params, limit)]
 
 
@@ -226,7 +224,7 @@ class StochasticAdamW(torch.optim.Optimizer):
                         state[name] = torch.empty_like(p).copy_(state[name])
             m_all, v_all = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
             key = _key(params, m_all, v_all)
-            plan = self._plans[key] = _Plan(key, params, m_all, v_all, self.chunk_numel)
+            plan = self._plans[key] = _Plan(params, m_all, v_all, self.chunk_numel)
         self._used.add(key)
         grads = [p.grad for p in params]
         for chunk in plan.chunks:

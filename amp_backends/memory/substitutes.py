@@ -40,9 +40,10 @@ from torch import nn
 
 from .. import torch_private
 from ..errors import AmpBackendsError, PerformanceWarning
+from ..precision.fp32_forward import Fp32Forward
 
 __all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "open_scope", "open_scope_in", "others_hooked",
-           "outermost", "owners", "replaced_forward", "stand_aside", "substitute"]
+           "foreign_forward", "outermost", "owners", "stand_aside", "substitute"]
 
 
 class SubstituteSourceEdited(AmpBackendsError, RuntimeError):
@@ -387,9 +388,14 @@ def _foreign(module: nn.Module, own: Callable[..., Any]) -> str:
     return "another's hook"
 
 
-def replaced_forward(module: nn.Module) -> str:
-    """A forward set on ``module`` itself (accelerate's hooks wrap each layer's this way), in words."""
-    return f"its forward replaced on the instance ({_name(vars(module)['forward'])})"
+def foreign_forward(module: nn.Module) -> str | None:
+    """A forward another's code set on ``module`` itself (accelerate's hooks wrap each layer's this way), in
+    words; None where there is none, or it is a precision policy's float32 forward (a lever leaves that
+    layer alone by design)."""
+    forward = vars(module).get("forward")
+    if forward is None or isinstance(forward, Fp32Forward):
+        return None
+    return f"its forward replaced on the instance ({_name(forward)})"
 
 
 def stand_aside(module: nn.Module, own: Callable[..., Any], lever: str, hook: str | None = None) -> None:

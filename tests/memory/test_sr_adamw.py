@@ -6,6 +6,7 @@ counted directly with a dispatch mode."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 
@@ -151,18 +152,20 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _ops(count: int, numel: int) -> int:
-    params = _params([(numel // count,)] * count, torch.bfloat16)
-    opt = StochasticAdamW(params, lr=1e-3)
+def _second_step(params: list[nn.Parameter], opt: StochasticAdamW, mode: TorchDispatchMode) -> None:
+    """A step to plan and warm up, then one more under ``mode``."""
     for step in range(2):
         for p, g in zip(params, _grads(params, step)):
             p.grad = g
-        if step == 1:
-            with _Ops() as counter:
-                opt.step()
-            return counter.count
-        opt.step()
-    raise AssertionError
+        with mode if step == 1 else contextlib.nullcontext():
+            opt.step()
+
+
+def _ops(count: int, numel: int) -> int:
+    params = _params([(numel // count,)] * count, torch.bfloat16)
+    counter = _Ops()
+    _second_step(params, StochasticAdamW(params, lr=1e-3), counter)
+    return counter.count
 
 
 def test_a_step_is_a_constant_number_of_ops_whatever_the_number_of_parameters() -> None:
@@ -207,15 +210,8 @@ def test_a_steps_temporaries_are_at_most_20_bytes_an_element_of_a_chunk(chunk: i
     copies and the gradient's square), for 65,536 elements in one chunk or in chunks of 4,096 (a step
     over many chunks holds one chunk's)."""
     params = _params([(1 << 14,)] * 4, torch.bfloat16)
-    opt = StochasticAdamW(params, lr=1e-3, chunk_numel=chunk)
-    for step in range(2):
-        for p, g in zip(params, _grads(params, step)):
-            p.grad = g
-        if step == 1:
-            with _Live() as live:
-                opt.step()
-        else:
-            opt.step()
+    live = _Live()
+    _second_step(params, StochasticAdamW(params, lr=1e-3, chunk_numel=chunk), live)
     assert 0 < live.peak <= 20 * min(chunk, 1 << 16), live.peak
 
 
