@@ -28,19 +28,20 @@ echo "middle torch leg: torch $minor.* (rotating over ${MINORS[*]}), torchao ${t
 "$PYTHON" -m venv .venv-middle
 . .venv-middle/bin/activate
 python -m pip install --quiet --upgrade pip
+. ci/pip_install.sh
 # the CPU build where its index answers (a smaller download), else the registry's (a CUDA build; it runs on the CPU)
 if python -m pip install --quiet --timeout 15 --retries 0 "torch==$minor.*" --index-url https://download.pytorch.org/whl/cpu \
     2> .venv-middle/cpu-index.log; then
     echo "middle torch leg: torch's CPU build"
 elif echo "middle torch leg: torch's CPU index gave no installable build ($(tail -n 1 .venv-middle/cpu-index.log)); the registry's build" \
-    && ! python -m pip install --quiet "torch==$minor.*"; then
-    # the registry (or this machine's pip configuration) has no installable torch $minor: nothing was tested
+    && ! pip_install "torch==$minor.*"; then
+    # the registry has no installable torch $minor, or its download failed on every attempt: nothing was tested
     echo "middle torch leg: torch $minor cannot be installed here (see pip's error above); the leg did not run"
     exit 0
 fi
 python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > .venv-middle/constraints.txt
 [[ -n "$torchao" ]] && echo "torchao==$torchao" >> .venv-middle/constraints.txt
-python -m pip install --quiet -c .venv-middle/constraints.txt -e . pytest pytest-xdist numpy ${torchao:+"torchao==$torchao"}
+pip_install -c .venv-middle/constraints.txt -e . pytest pytest-xdist numpy ${torchao:+"torchao==$torchao"}
 python -c "import torch; print('middle torch:', torch.__version__)"
 python -c "from amp_backends.precision.fp8 import engine as fp8; print('fp8 training:', fp8.unavailable_reason() or 'available')"
 python -m pytest -n auto -p no:cacheprovider -m "not slow" \
