@@ -8,6 +8,8 @@ Rows, each the median of ``--steps`` optimizer steps after warm-up (gradients fi
 
 - ``StochasticAdamW``: :class:`amp_backends.memory.StochasticAdamW`, the same update (bitwise, given the
   same random bits) in a few multi-tensor ops per chunk of elements, whatever the number of parameters;
+- ``StochasticAdamW compiled``: the same with ``compile=True`` (each chunk's arithmetic one compiled
+  function: one kernel on a GPU; two graphs at most);
 - ``torchao-sr``: torchao's step as it is: one ``torch.compile(...)`` call per parameter per step;
 - ``torchao-sr compile_once``: the same step with each compile wrapper built once
   (:func:`amp_backends.memory.compile_once.compile_once`), bitwise the same parameters;
@@ -15,8 +17,9 @@ Rows, each the median of ``--steps`` optimizer steps after warm-up (gradients fi
   multi-tensor copy into the bf16 parameters (the device work of the lean mode's master step);
 - ``adamw-fused masters``: the same with ``fused=True``, where the device has it.
 
-Also printed: the graphs dynamo compiled for torchao's update and how many times it recompiled (a
-recompile would be a shape falling off the cache), and the first step's time (the compiles).
+Also printed: the graphs dynamo compiled (torchao's update and the compiled ``StochasticAdamW``'s) and
+how many times it recompiled (a recompile would be a shape falling off the cache), and the first step's
+time (the compiles).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def steps(be: amp_backends.Backend, shapes: list[tuple[int, ...]], skip_torchao:
     device = be.device()
     made: dict[str, Callable[[], None]] = {}
     made["StochasticAdamW"] = StochasticAdamW(_params(shapes, device, torch.bfloat16), lr=1e-3).step
+    made["StochasticAdamW compiled"] = StochasticAdamW(_params(shapes, device, torch.bfloat16), lr=1e-3, compile=True).step
     try:
         if skip_torchao:
             raise ImportError("--skip-torchao")
@@ -158,7 +162,8 @@ def main() -> None:
         return
     print(f"backend {be.name}, torch {torch.__version__}, torchao {result['torchao']}, {result['size']}: BERT-base's "
           f"{result['params']} parameters, {result['distinct_shapes']} shapes, {result['elements']:,} elements")
-    print(f"torchao's update: {result['graphs_compiled']} graphs compiled, {result['recompiles']} recompiles")
+    print(f"compiled updates (torchao's, StochasticAdamW's): {result['graphs_compiled']} graphs, "
+          f"{result['recompiles']} recompiles")
     for r in result["rows"]:
         print(f"{r['step']:26} {r['ms']:9.2f} ms/step ({r['vs_foreach_masters']:5.2f}x foreach masters), "
               f"{r['us_per_param']:7.1f} us/param; first step {r['first_step_s']:.1f} s")

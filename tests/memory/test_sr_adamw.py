@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amp_backends.memory import StochasticAdamW, memory_lean
-from amp_backends.memory.sr_adamw import _round_stochastically
+from amp_backends.memory.sr_adamw import _compiled, _round_stochastically
 from fp8_marks import needs_torchao
 
 
@@ -117,6 +117,64 @@ def test_float32_parameters_follow_torchs_adamw() -> None:
         _step_both(a, b, ours, theirs, step)
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _spacing(t: torch.Tensor) -> torch.Tensor:
+    """The distance from each value of ``t`` to its dtype's next value away from zero (at least the smallest normal's)."""
+    info = torch.finfo(t.dtype)
+    return (t.float().abs() * info.eps).clamp_min(info.tiny)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_compiled_chunks_agree_with_the_eager_update_and_compile_at_most_twice(dtype: torch.dtype) -> None:
+    """``compile=True`` against the eager update, from the same parameters and moments at each of four
+    steps (chunks of 16: tensors cut across them, a last chunk of another length; two groups of other
+    sizes): moments and parameters within one step of their dtype (bf16's parameters: the draws are
+    inductor's), float32 within float32 rounding of the inputs' scale (inductor may fuse a multiply and an
+    add, or compute the lerp another way). Graphs compiled
+    for the whole run, counted by dynamo: two at most (the full chunks' length, then a dynamic one)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    ours, ref = _params(SHAPES, dtype), _params(SHAPES, dtype)
+    extra, extra_ref = _params([(9,), (5, 5)], dtype, seed=3), _params([(9,), (5, 5)], dtype, seed=3)
+    compiled = StochasticAdamW([{"params": ours}, {"params": extra, "lr": 3e-3}], lr=1e-2, weight_decay=0.1,
+                               chunk_numel=16, compile=True)
+    eager = StochasticAdamW([{"params": ref}, {"params": extra_ref, "lr": 3e-3}], lr=1e-2, weight_decay=0.1, chunk_numel=16)
+    before = counters["stats"]["unique_graphs"]
+    for step in range(4):
+        _step_both(compiled, eager, ours + extra, ref + extra_ref, step)
+        for p, q in zip(ours + extra, ref + extra_ref):
+            for key in ("exp_avg", "exp_avg_sq"):
+                a, b = compiled.state[p][key], eager.state[q][key]
+                if dtype == torch.float32:
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+                else:
+                    assert ((a.float() - b.float()).abs() <= _spacing(b)).all(), (step, key)
+            if dtype == torch.float32:
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-9)
+            else:
+                assert ((p.float() - q.float()).abs() <= _spacing(q)).all(), step
+            with torch.no_grad():  # the next step from the same values
+                p.copy_(q)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    compiled.state[p][key].copy_(eager.state[q][key])
+    assert not p.equal(_params([(9,), (5, 5)], dtype, seed=3)[1])  # trained
+    assert 1 <= counters["stats"]["unique_graphs"] - before <= 2
+
+
+def test_compiled_rounding_is_unbiased() -> None:
+    """The compiled update's own draws (inductor's): a float32 value a quarter of a bf16 step above 1,
+    updated by nothing (lr and decay 0, zero moments), goes up in a quarter of 100,000 elements (within
+    1%), always to one of its two bf16 neighbours; the moments stay zero."""
+    step = torch.finfo(torch.bfloat16).eps
+    n, zero = 100_000, torch.zeros(())
+    out, m, v = _compiled()(torch.full((n,), 1 + step / 4), torch.zeros(n), torch.zeros(n), torch.zeros(n),
+                            zero, zero, torch.ones(()), torch.ones(()), 0.9, 0.999, 1e-8, True)
+    assert out.dtype == torch.bfloat16 and set(out.float().unique().tolist()) == {1.0, 1 + step}
+    assert abs((out.float() == 1 + step).float().mean().item() - 0.25) < 0.01
+    assert m.dtype == torch.float32 and not m.any() and not v.any()
 
 
 def test_rounding_is_unbiased_where_round_to_nearest_stalls() -> None:
@@ -302,6 +360,8 @@ def test_state_dict_resumes_bitwise() -> None:
 def test_bad_settings_are_refused_by_name(kwargs: dict, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):
         StochasticAdamW(_params([(3,)], torch.bfloat16), **kwargs)
+    with pytest.raises(TypeError, match="compile must be True or False, got 'yes'"):
+        StochasticAdamW(_params([(3,)], torch.bfloat16), compile="yes")  # type: ignore[arg-type]
 
 
 def test_a_bad_gradient_in_a_later_group_is_refused_before_anything_changes() -> None:
