@@ -10,7 +10,8 @@ interleaved round by round after warm-up, so that drift of the machine hits them
 - ``torch-<dtype>``: the same step through raw ``torch.autocast`` + ``torch.amp.GradScaler``,
   so ``overhead_vs_torch`` is the adapter's cost (median of per-round ratios, with its
   interquartile range and full range);
-- ``lean-bf16`` (:func:`amp_backends.memory_lean`, fp32 masters), ``lean-bf16-rc`` (the same with
+- ``lean-bf16`` (:func:`amp_backends.memory_lean`, fp32 masters), ``lean-bf16-mlp`` (the same with
+  ``activation_inputs=True``: models with a GELU, SiLU or Mish module beside a linear), ``lean-bf16-rc`` (the same with
   ``recompute=True``: models with repeated blocks) and ``lean-bf16-sr``
   (:class:`~amp_backends.memory.StochasticAdamW` rounding bf16 stochastically, no masters);
 - ``amp-fp8``, ``torchao-fp8`` and their baseline ``bf16-fp8-baseline`` where the device has fp8
@@ -65,7 +66,7 @@ from .bench_measure import (  # noqa: F401 - the round's constants and peak_memo
     step_timer,
     steps_per_round,
 )
-from .bench_memory import LEAN_HEADS, peak_kind, recompute_unavailable
+from .bench_memory import LEAN_HEADS, mode_unavailable, peak_kind
 from .bench_report import list_models, plot, render
 
 __all__ = ["DEFAULT_MODELS", "HOST_BOUND_MS", "MAX_STEPS_PER_ROUND", "MIN_STEPS_PER_ROUND", "Mode", "ROUND_SECONDS",
@@ -107,6 +108,7 @@ def modes_for(be: Backend) -> list[Mode]:
     if torch.bfloat16 in be.supported_dtypes():
         bf16 = torch.bfloat16 in native
         modes.append(Mode("lean-bf16", "lean", torch.bfloat16, bf16))
+        modes.append(Mode("lean-bf16-mlp", "lean-mlp", torch.bfloat16, bf16))
         modes.append(Mode("lean-bf16-rc", "lean-rc", torch.bfloat16, bf16))
         modes.append(Mode("lean-bf16-sr", "lean-sr", torch.bfloat16, bf16))
     from .bench_fp8 import FP8_MODES, fp8_unavailable
@@ -148,16 +150,16 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
         return full_step
     fp16 = mode.dtype == torch.float16
     net, optimizer = model, opt
-    if mode.via in ("lean", "lean-rc"):
+    if mode.via in ("lean", "lean-mlp", "lean-rc"):
         net = copy.deepcopy(model)
         lean = memory_lean(net, torch.optim.AdamW(net.parameters(), lr=1e-5), backend=be, weights=torch.bfloat16,
-                           lm_head=lm_head, recompute=mode.via == "lean-rc")
+                           lm_head=lm_head, recompute=mode.via == "lean-rc", activation_inputs=mode.via == "lean-mlp")
         optimizer = lean.optimizer
     elif mode.via == "lean-sr":
         net = copy.deepcopy(model)
         optimizer = memory_lean(net, StochasticAdamW(net.parameters(), lr=1e-5), backend=be, weights=torch.bfloat16,
                                 master=False, lm_head=lm_head).optimizer
-    if mode.via in ("amp", "lean", "lean-rc", "lean-sr"):
+    if mode.via in ("amp", "lean", "lean-mlp", "lean-rc", "lean-sr"):
         scaler: Any = be.grad_scaler(mode.dtype)
         autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731 - one of two one-line choices
     else:
@@ -262,8 +264,8 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
             spec = MODELS[name]
             target = max(1, round(spec.batch_sizes[size] * scale))
 
-            no_blocks = recompute_unavailable(name)
-            here = [m for m in runnable if not (m.via == "lean-rc" and no_blocks)]
+            lever_finds_nothing = {m.name: why for m in runnable if (why := mode_unavailable(name, m.name))}
+            here = [m for m in runnable if m.name not in lever_finds_nothing]
 
             def measure_memory(batch: int) -> dict[str, tuple[int, str]]:
                 memory = {}
@@ -285,7 +287,7 @@ def run(backend: str | None, models: Sequence[str] = DEFAULT_MODELS, size: str =
                 data = spec.batch(size, be.device(), batch)
                 steps_of = {m.name: make_step(be, model, opt, spec.loss_of, data, m, LEAN_HEADS.get(name))
                             for m in here if not _fp8(m)}
-                reasons = {m.name: no_blocks for m in runnable if m not in here and no_blocks}
+                reasons = dict(lever_finds_nothing)
                 if any(_fp8(m) for m in runnable):
                     from .bench_fp8 import make_fp8_steps
 
@@ -412,7 +414,7 @@ def _rows(model: str, params: int, modes: list[Mode], times: dict[str, list[floa
                 over = _iqr(_ratios(t, theirs))
                 row.update(overhead_vs_torch=over["median"], overhead_vs_torch_iqr=over["iqr"],
                            overhead_vs_torch_range=over["range"])
-        if m.via in ("lean", "lean-rc", "lean-sr") and times.get(f"amp-{_dtype_name(m.dtype)}"):
+        if m.via in ("lean", "lean-mlp", "lean-rc", "lean-sr") and times.get(f"amp-{_dtype_name(m.dtype)}"):
             row["vs_amp"] = statistics.median(_ratios(t, times[f"amp-{_dtype_name(m.dtype)}"]))
         if _fp8(m):
             row["compiled"] = m.name in compiled

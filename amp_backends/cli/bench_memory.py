@@ -4,10 +4,12 @@ mode does to the loss.
 The ledger (:mod:`amp_backends.memory.ledger`) of a training step of each bench model at its full size
 and real batch size, per mode: float32, AMP in each autocast dtype, and memory-lean AMP
 (:func:`amp_backends.memory_lean`: bfloat16 weights with float32 masters, low-precision saves, the LM
-head in blocks of rows; ``lean-bf16-rc``: the same with the transformer blocks' cheap ops recomputed in
-backward (``recompute=True``); ``lean-bf16-sr``: bfloat16 weights and moments, the weights rounded stochastically
-by :class:`~amp_backends.memory.StochasticAdamW`, no masters). On a CPU the steps run on fake tensors: every storage counted, no
-arithmetic, a few seconds per model and mode (the loss scaler's skip decision, a host read, cannot be
+head in blocks of rows; ``lean-bf16-mlp``: the same with the activations' inputs recomputed from the
+MLP's up-projection input in backward (``activation_inputs=True``: a matmul a layer); ``lean-bf16-rc``:
+the same with the transformer blocks' cheap ops recomputed in backward (``recompute=True``);
+``lean-bf16-sr``: bfloat16 weights and moments, the weights rounded stochastically by
+:class:`~amp_backends.memory.StochasticAdamW`, no masters). On a CPU the steps run on fake tensors: every
+storage counted, no arithmetic, a few seconds per model and mode (the loss scaler's skip decision, a host read, cannot be
 made there: the step is counted as one that runs). On an accelerator they run for real on the device, and
 the allocator's peak is reported beside the ledger's. The loss after a few hundred steps of each mode
 on the bench's data (small size, real arithmetic) is reported beside the memory.
@@ -29,6 +31,7 @@ from ..backend import Backend, get
 from ..console import render_table
 from ..errors import PerformanceWarning
 from ..memory.fake import Setup, measure, on_meta_then_fake
+from ..memory.activation_inputs import recompute_activation_inputs
 from ..memory.lean import memory_lean
 from ..memory.recompute import find_blocks
 from ..memory.sr_adamw import StochasticAdamW
@@ -36,7 +39,7 @@ from ..memory.ledger import PARTS, Ledger, MemoryReport
 from .bench_models import MODELS
 
 __all__ = ["LEAN_HEADS", "LEFT_BEHIND_MARGIN", "Alone", "ledger_modes", "loss_after", "main", "measure_alone",
-           "peak_kind", "memory_rows", "render_memory", "setup_for"]
+           "mode_unavailable", "peak_kind", "memory_rows", "render_memory", "setup_for"]
 
 #: The LM head of a bench model, where it has one (its logits are the largest tensors of the step).
 LEAN_HEADS = {name: spec.lm_head for name, spec in MODELS.items() if spec.lm_head}
@@ -49,7 +52,7 @@ def ledger_modes(be: Backend) -> list[tuple[str, str | None]]:
     modes += [(f"amp-{str(d).replace('torch.', '')}", None) for d in (torch.float16, torch.bfloat16)
               if d in be.supported_dtypes()]
     if torch.bfloat16 in be.supported_dtypes():
-        modes += [("lean-bf16", None), ("lean-bf16-rc", None), ("lean-bf16-sr", None)]
+        modes += [("lean-bf16", None), ("lean-bf16-mlp", None), ("lean-bf16-rc", None), ("lean-bf16-sr", None)]
     return modes
 
 
@@ -59,6 +62,25 @@ def recompute_unavailable(name: str) -> str | None:
     if find_blocks(MODELS[name].build("small")):
         return None
     return "no repeated transformer blocks to recompute (memory_lean(recompute=True) refuses it)"
+
+
+@functools.lru_cache(maxsize=None)
+def activation_inputs_unavailable(name: str) -> str | None:
+    """Why bench model ``name`` has no ``lean-bf16-mlp`` row (no activation module beside a linear whose
+    input the lever could remake: the row would be ``lean-bf16``'s again), or None."""
+    handle = recompute_activation_inputs(MODELS[name].build("small"))
+    if handle.activations:
+        return None
+    return "no GELU, SiLU or Mish module beside a linear (memory_lean(activation_inputs=True) finds nothing)"
+
+
+def mode_unavailable(name: str, mode: str) -> str | None:
+    """Why bench model ``name`` has no row of ``mode`` although the backend runs it (its lever finds nothing), or None."""
+    if mode == "lean-bf16-rc":
+        return recompute_unavailable(name)
+    if mode == "lean-bf16-mlp":
+        return activation_inputs_unavailable(name)
+    return None
 
 
 def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *, fake: bool,
@@ -80,9 +102,9 @@ def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *
                                    master=False, lm_head=LEAN_HEADS.get(name)).optimizer
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=lr)
-            if mode in ("lean-bf16", "lean-bf16-rc"):
+            if mode in ("lean-bf16", "lean-bf16-mlp", "lean-bf16-rc"):
                 lean = memory_lean(model, opt, backend=be, weights=torch.bfloat16, lm_head=LEAN_HEADS.get(name),
-                                   recompute=mode == "lean-bf16-rc")
+                                   recompute=mode == "lean-bf16-rc", activation_inputs=mode == "lean-bf16-mlp")
                 opt, master = lean.optimizer, (lambda: list(lean._masters.values()))
         # a fake step cannot make the scaler's decision (a host read of found_inf): it is counted as a step
         # that runs; the scaler's own tensors are a few bytes, its unscale works in place
@@ -181,7 +203,7 @@ def memory_rows(be: Backend, models: Sequence[str], size: str = "full", scale: f
                 continue
             row: dict[str, Any] = {"model": name, "mode": mode, "size": size, "batch": batch, "input": spec.shapes[size],
                                    "counted": "fake tensors (no arithmetic)" if fake else f"real step on {be.name}"}
-            why_not = why_not or (recompute_unavailable(name) if mode == "lean-bf16-rc" else None)
+            why_not = why_not or mode_unavailable(name, mode)
             if why_not is not None:
                 rows.append({**row, "memory": None, "saving_vs_fp32": None, "unavailable": why_not})
                 continue

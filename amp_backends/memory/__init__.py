@@ -3,9 +3,10 @@
 Owns the ledger of a training step (:mod:`.ledger`), counted without arithmetic on fake tensors
 (:mod:`.fake`), and memory-lean mixed precision (:mod:`.lean`): low-precision saves for float32 ops
 (:mod:`.saves`), GELUs written out in Python run as one fused op (:mod:`.activations`), activations'
-outputs recomputed from their inputs for the ops that save them (:mod:`.activation_outputs`), one copy
-of an activation autocast casts for several linears (:mod:`.shared_casts`), both through saved tensors
-substituted (:mod:`.substitutes`), the LM head's
+outputs recomputed from their inputs for the ops that save them (:mod:`.activation_outputs`), their
+inputs from the up-projection's input (:mod:`.activation_inputs`), one copy of an activation autocast
+casts for several linears (:mod:`.shared_casts`), all through saved tensors substituted
+(:mod:`.substitutes`; standing aside for others' hooks: :mod:`.hooks_around`), the LM head's
 lazy logits (:mod:`.chunked_loss`) and its loss fused a block of rows at a time with the gradients made
 in the forward (:mod:`.fused_loss`), low-precision weights with float32
 masters (:mod:`.master`), transformer blocks' cheap ops recomputed in backward (:mod:`.recompute`),
@@ -19,6 +20,7 @@ May import: :mod:`amp_backends.precision`, :mod:`amp_backends.backend`, :mod:`am
 
 from __future__ import annotations
 
+from .activation_inputs import ActivationInputs, UpProjectionEdited, recompute_activation_inputs
 from .activation_outputs import ActivationOutputs, recompute_activation_outputs
 from .activations import FusedActivations, fused_activations
 from .chunked_loss import LazyHeadError, LazyLogits, head_lever_refusal, lazy_head
@@ -32,7 +34,8 @@ from .saves import low_precision_saves
 from .shared_casts import SharedCasts, share_casts
 from .sr_adamw import StochasticAdamW
 
-__all__ = ["PARTS", "ActivationOutputs", "FusedActivations", "LazyHeadError", "LazyLogits", "Lean", "LeanError", "Ledger", "MasterWeights",
-           "MemoryReport", "Recompute", "RecomputeError", "SharedCasts", "StochasticAdamW", "compile_once", "fused_activations", "head_lever_refusal",
-           "lazy_head", "linear_cross_entropy", "low_precision_saves", "memory_lean", "recompute_activation_outputs",
-           "selective_recompute", "share_casts"]
+__all__ = ["PARTS", "ActivationInputs", "ActivationOutputs", "FusedActivations", "LazyHeadError", "LazyLogits", "Lean",
+           "LeanError", "Ledger", "MasterWeights", "MemoryReport", "Recompute", "RecomputeError", "SharedCasts",
+           "StochasticAdamW", "UpProjectionEdited", "compile_once", "fused_activations", "head_lever_refusal", "lazy_head",
+           "linear_cross_entropy", "low_precision_saves", "memory_lean", "recompute_activation_inputs",
+           "recompute_activation_outputs", "selective_recompute", "share_casts"]

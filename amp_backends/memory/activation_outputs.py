@@ -115,11 +115,12 @@ def recompute_activation_outputs(model: nn.Module) -> ActivationOutputs:
     for the ops that save them, instead of keeping both (see the module docstring)."""
     activations: dict[int, nn.Module] = {}
     blocks: list[str] = []
-    for name, module in model.named_modules(remove_duplicate=False):
+    named = dict(model.named_modules(remove_duplicate=False))
+    for name, module in named.items():
         if pure_function(module) is None and not _may_become_pure(module):
             continue
         activations[id(module)] = module
-        blocks.append(".".join(name.split(".")[:-2]))  # the grandparent: the block holding its consumer
+        blocks.append(substitutes.owner_name(named, name))  # the block holding its consumer
     handles = [module.register_forward_hook(_tag) for module in activations.values()]
     scopes = substitutes.outermost(model, blocks) if activations else []
     return ActivationOutputs(list(activations.values()), scopes, handles + substitutes.owners(scopes))

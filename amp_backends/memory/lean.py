@@ -14,6 +14,10 @@ Each lever is on its own switch and usable alone:
   recomputed from their inputs for the ops that save them (the MLP's second linear), instead of kept
   beside those inputs (:mod:`.activation_outputs`; bitwise the same gradients, one elementwise op a
   layer more in backward);
+- ``activation_inputs`` (default off): the activations' inputs (the MLP's up-projection outputs) are
+  recomputed in backward from the up-projection's input, which it keeps anyway (:mod:`.activation_inputs`;
+  bitwise the same gradients, one matmul a layer more; with ``activation_outputs`` the MLP keeps nothing of
+  its inner width);
 - ``shared_casts`` (default on): where autocast casts one float32 activation for several sibling
   linears (BERT's query, key and value on a GPU), one low-precision copy is kept for backward instead of
   one per linear (:mod:`.shared_casts`; the same casts and matmuls, bitwise the same gradients);
@@ -50,6 +54,7 @@ from ..precision.fp8.engine import is_fp8
 from ..precision.policy import fp32_modules
 from ..precision.selectors import NORM_TYPES
 from ..registry.registry import resolve_backend
+from .activation_inputs import ActivationInputs, recompute_activation_inputs
 from .activation_outputs import ActivationOutputs, recompute_activation_outputs
 from .activations import FusedActivations, fused_activations
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
@@ -84,12 +89,13 @@ class Lean:
     def __init__(self, model: nn.Module, optimizer: Any, lowered: list[nn.Parameter], kept: dict[str, str],
                  saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None,
                  recompute: Recompute | None = None, activations: FusedActivations | None = None,
-                 outputs: ActivationOutputs | None = None, casts: SharedCasts | None = None) -> None:
+                 outputs: ActivationOutputs | None = None, casts: SharedCasts | None = None,
+                 inputs: ActivationInputs | None = None) -> None:
         self.model, self.optimizer, self.weights = model, optimizer, weights
         #: parameter name -> why it stayed float32 (of those the optimizer trains)
         self.kept = kept
         self._lowered, self._saves, self._head, self._recompute = lowered, saves, head, recompute
-        self._activations, self._outputs, self._casts = activations, outputs, casts
+        self._activations, self._outputs, self._casts, self._inputs = activations, outputs, casts, inputs
 
     @property
     def masters(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -107,7 +113,8 @@ class Lean:
         """Layer name -> the lever that stood aside there for another's hook, and the hook (at least once since
         it was turned on; :func:`.substitutes.others_hooked`): the memory that lever saves is kept there."""
         found = {id(m): f"{lever}: {hook}" for lever, handle in (("activation_outputs", self._outputs),
-                                                                 ("shared_casts", self._casts))
+                                                                 ("shared_casts", self._casts),
+                                                                 ("activation_inputs", self._inputs))
                  if handle is not None for m, hook in handle.stood_aside}
         return {name: found[id(m)] for name, m in self.model.named_modules() if id(m) in found}
 
@@ -151,6 +158,9 @@ class Lean:
         if self._casts is not None:
             self._casts.remove()
             self._casts = None
+        if self._inputs is not None:
+            self._inputs.remove()
+            self._inputs = None
         if self._head is not None:
             undo_lazy_head(self._head)
         if self._recompute is not None:
@@ -189,6 +199,8 @@ class Lean:
                  if self._outputs is not None and self._outputs.active else "",
                  f"autocast's copies shared by {len(self._casts.modules)} linears"
                  if self._casts is not None and self._casts.active else "",
+                 f"{len(self._inputs.activations)} activations' inputs recomputed"
+                 if self._inputs is not None and self._inputs.active else "",
                  f"{len(self.stood_aside)} layers stood aside for others' hooks" if self.stood_aside else ""]
         return f"<Lean {'; '.join(p for p in parts if p) or 'off'}>"
 
@@ -287,7 +299,7 @@ def _submodule(model: nn.Module, name: str) -> nn.Module:
 def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, backend: Any = None,
                 weights: torch.dtype | str | None = None, master: bool = True, lm_head: str | nn.Module | None = None,
                 saves: bool = True, recompute: bool | list[nn.Module] = False, activations: bool = True,
-                activation_outputs: bool = True, shared_casts: bool = True) -> Lean:
+                activation_outputs: bool = True, shared_casts: bool = True, activation_inputs: bool = False) -> Lean:
     """Turn on the memory levers of mixed precision for ``model`` (see the module docstring); returns
     the handle whose ``optimizer`` the training loop uses. Everything is checked before anything changes.
     ``recompute``: True (the model's repeated blocks, found) or the blocks: their cheap elementwise ops
@@ -295,7 +307,8 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     written out in Python run as ``F.gelu`` (:mod:`.activations`). ``activation_outputs``: activations'
     outputs recomputed from their inputs where a later op saves them (:mod:`.activation_outputs`).
     ``shared_casts``: one low-precision copy saved of a float32 activation autocast casts for several
-    sibling linears (:mod:`.shared_casts`)."""
+    sibling linears (:mod:`.shared_casts`). ``activation_inputs``: activations' inputs recomputed from the
+    up-projection's input in backward, a matmul a layer (:mod:`.activation_inputs`)."""
     weights, head = _check(model, optimizer, weights, master, lm_head, backend)
     again = None
     if recompute is not False:
@@ -333,8 +346,9 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     fused = fused_activations(model) if activations else None
     outputs = recompute_activation_outputs(model) if activation_outputs else None
     casts = share_casts(model) if shared_casts else None
+    inputs = recompute_activation_inputs(model) if activation_inputs else None
     if head is not None:
         lazy_head(head)
-    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts)
+    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts, inputs)
     _ON[model] = True
     return lean

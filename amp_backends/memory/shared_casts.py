@@ -37,7 +37,7 @@ from torch import nn
 from ..torch_private import DisableTorchDispatch, current_graph_task_id
 from . import substitutes
 
-__all__ = ["SharedCasts", "autocast_casts_linear", "share_casts"]
+__all__ = ["SharedCasts", "autocast_casts_linear", "autocast_copy_dtype", "share_casts"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,24 +69,34 @@ def _forget(key: int, _ref: Any) -> None:
     _FIRST.pop(key, None)
 
 
-def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """Forward pre-hook of a linear: cast its float32 input as autocast would, each copy after the first
-    of the same input saved as the first."""
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or not args
+def autocast_copy_dtype(x: Any) -> torch.dtype | None:
+    """The dtype autocast would cast ``x``, a linear's input, to (None where it would not, or nothing
+    is saved, or the forward is compiled, or it is a reentrant checkpoint's recomputation inside the
+    backward, whose forward ran without grad: autocast casts there as it does without a lever)."""
+    if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
             or (current_graph_task_id is not None and current_graph_task_id() != -1)):
-        return None  # compiled; nothing saved; or a reentrant checkpoint's recomputation, inside the
-        # backward, whose forward ran without grad: autocast casts there as it did without the lever
-    x = args[0]
+        return None
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         return None
     if x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled():
-        return None  # autocast caches its cast of a leaf that requires grad: one copy, as without the lever
+        return None  # autocast caches its cast of a leaf that requires grad: one copy, as without a lever
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return None
     dtype = torch.get_autocast_dtype(device)
     if dtype == torch.float32 or not autocast_casts_linear(device, dtype):
         return None
+    return dtype
+
+
+def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Forward pre-hook of a linear: cast its float32 input as autocast would, each copy after the first
+    of the same input saved as the first."""
+    x = args[0] if args else None
+    dtype = autocast_copy_dtype(x)
+    if dtype is None:
+        return None
+    assert isinstance(x, torch.Tensor)
     if "forward" in module.__dict__:  # a forward set on the layer is given its input as it came: a precision
         foreign = substitutes.foreign_forward(module)  # policy's float32 one, or another's (accelerate's hooks)
         if foreign is not None:

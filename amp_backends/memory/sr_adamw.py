@@ -24,7 +24,7 @@ a GPU inductor makes it one kernel, reading 8 and writing 6 bytes an element of 
 the ops read and write about 170. The gathering ``cat`` calls and the copies back stay as they are. Every
 chunk of a step has one length but the last, so a run of steps compiles twice per dtype at most (the
 second length compiles with a dynamic one). Its random bits are inductor's: parameters agree with the
-eager update to one bfloat16 step where the draws differ, moments as the eager update computes them.
+eager update to one step of their dtype where the draws differ, and moments to one step (float32: to its rounding).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..torch_private import foreach_copy_, is_traceable_wrapper_subclass
+from ..torch_private import FakeTensor, foreach_copy_, is_traceable_wrapper_subclass
 
 __all__ = ["StochasticAdamW"]
 
@@ -156,9 +156,14 @@ class _Plan:
         self.chunks = [_Chunk(pieces, [params, m, v]) for pieces in _chunks(params, limit)]
 
 
+def _where(t: torch.Tensor) -> int:
+    """Where ``t``'s memory is (a fake or meta tensor, which has none: the tensor itself)."""
+    return id(t) if t.is_meta or isinstance(t, FakeTensor) else t.data_ptr()
+
+
 def _key(params: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor]) -> tuple[int, ...]:
     """Where each tensor's memory is (a parameter given new data, a moment loaded: another key)."""
-    return tuple(t.data_ptr() for t in params) + tuple(t.data_ptr() for t in m) + tuple(t.data_ptr() for t in v) + tuple(
+    return tuple(_where(t) for t in params) + tuple(_where(t) for t in m) + tuple(_where(t) for t in v) + tuple(
         t.numel() for t in params)
 
 

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,11 +37,11 @@ from torch.utils.weak import WeakIdRef
 from torch import nn
 
 from .. import torch_private
-from ..errors import AmpBackendsError, PerformanceWarning
-from ..precision.fp32_forward import Fp32Forward
+from ..errors import AmpBackendsError
+from .hooks_around import _ASIDE, foreign_forward, others_hooked, stand_aside
 
-__all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "open_scope", "open_scope_in", "others_hooked",
-           "foreign_forward", "outermost", "owners", "stand_aside", "substitute"]
+__all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "foreign_forward", "open_scope", "open_scope_in",
+           "others_hooked", "outermost", "owner_name", "owners", "stand_aside", "substitute"]
 
 
 class SubstituteSourceEdited(AmpBackendsError, RuntimeError):
@@ -55,16 +53,80 @@ def available() -> bool:
     return torch_private.top_saved_tensors_hooks is not None and torch_private.saved_tensors_hooks_are_enabled is not None
 
 
-class _Tag:
-    """A tagged tensor's source, how it is remade, and its version at the tagging."""
+class _Remade:
+    """A tag's remaking, shared by every save that needs it, and by the remakings chained on it (a tagged
+    tensor whose source is itself tagged): made once a backward and kept from its first use to its last."""
 
-    __slots__ = ("make", "source", "source_version", "tensor", "version", "what")
+    __slots__ = ("inner", "make", "value", "waiting")
+
+    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor] | None, inner: _Remade | None = None) -> None:
+        self.make, self.inner = make, inner
+        self.value: torch.Tensor | None = None
+        #: uses expected and not yet made: a save packed through it, or a remaking chained on it (which,
+        #: made once, uses it once)
+        self.waiting = 0
+
+    def expect(self) -> None:
+        """One more use to come (a save packed through it): the first also makes one of the remaking it is chained on."""
+        self.waiting += 1
+        if self.waiting == 1 and self.inner is not None:
+            self.inner.expect()
+
+    def __call__(self, source: torch.Tensor) -> torch.Tensor:
+        value = self.value
+        if value is None:
+            value = source if self.make is None else self.make(source)
+        self.waiting -= 1
+        self.value = value if self.waiting > 0 else None
+        return value
+
+
+class _Chain:
+    """``make`` applied to what ``first`` remakes (a tagged tensor), or to the view of it ``view`` was: the
+    remaking of a tagged tensor whose source is itself tagged."""
+
+    __slots__ = ("first", "geometry", "make")
+
+    def __init__(self, first: _Remade, make: Callable[[torch.Tensor], torch.Tensor] | None,
+                 view: torch.Tensor) -> None:
+        self.first, self.make = first, make
+        base = view._base
+        self.geometry = None if base is None else (
+            view.size(), view.stride(), view.storage_offset() - base.storage_offset())
+
+    def __call__(self, source: torch.Tensor) -> torch.Tensor:
+        value = self.first(source)
+        if self.geometry is not None:
+            size, stride, offset = self.geometry
+            value = value.as_strided(size, stride, value.storage_offset() + offset)
+        return value if self.make is None else self.make(value)
+
+
+class _Tag:
+    """A tagged tensor's source, how it is remade (through its shared remaking), and its version at the tagging."""
+
+    __slots__ = ("make", "remade", "source", "source_version", "tensor", "version", "what")
 
     def __init__(self, tensor: torch.Tensor, source: torch.Tensor,
                  make: Callable[[torch.Tensor], torch.Tensor] | None, what: str) -> None:
         self.tensor = WeakIdRef(tensor, functools.partial(_forget, id(tensor)))
-        self.source, self.make, self.version, self.what = source, make, tensor._version, what
-        self.source_version = source._version
+        self.version, self.what = tensor._version, what
+        self.remade: _Remade
+        self.source: torch.Tensor
+        base = source if source._base is None else source._base
+        inner = _TAGS.get(id(base))
+        if inner is not None and inner.live(base):  # the source is remade from another: store that one
+            self.remade = _Remade(_Chain(inner.remade, make, source), inner.remade)
+            self.source, self.what = inner.source, inner.what
+        else:
+            self.remade = _Remade(make)
+            self.source = source
+        self.make = None if self.remade.make is None else self.remade
+        self.source_version = self.source._version
+
+    def live(self, tensor: torch.Tensor) -> bool:
+        """Whether this tag is ``tensor``'s and neither it nor the source was edited since the tagging."""
+        return self.tensor() is tensor and tensor._version == self.version and self.source._version == self.source_version
 
 
 #: id of a live tagged tensor -> its tag
@@ -79,7 +141,10 @@ def substitute(tensor: torch.Tensor, source: torch.Tensor, make: Callable[[torch
                what: str) -> None:
     """Let ``tensor`` (not a view) be saved as ``source`` and remade by ``make(source)`` (None: ``source``
     itself, which must then equal it bitwise) while a scope runs; ``what`` names the source in errors.
-    The tag holds ``source`` as long as ``tensor`` lives, and ends if either is edited in place."""
+    The tag holds ``source`` as long as ``tensor`` lives, and ends if either is edited in place. Where
+    ``source`` is itself tagged (the output of a layer whose input remakes it), ``tensor`` is saved as that
+    tag's source and remade through both, the inner remaking shared with the source's own saves (one
+    remaking a backward, kept from the first of them to unpack to the last)."""
     _TAGS[id(tensor)] = _Tag(tensor, source, make, what)
 
 
@@ -166,6 +231,7 @@ class _Scope:
             # it is, so that its backward is the one it would have had (a remade copy would keep its strides).
             return self.outer_pack(t)
         stored = _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t, base)
+        tag.remade.expect()
         self.pending.discard(id(base))
         return stored
 
@@ -287,6 +353,18 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
             scope.exit()
 
 
+def owner_name(modules: dict[str, nn.Module], layer: str) -> str:
+    """The qualified name of the block a scope for ``layer`` (a qualified name in ``modules``, the model's
+    ``named_modules``) is opened in: its grandparent, which holds the layer's consumer where the MLP is two
+    modules (BERT's intermediate and output); its parent where the grandparent is a container never called
+    (a ``ModuleList`` or ``ModuleDict`` of MLPs)."""
+    parts = layer.split(".")
+    grandparent = ".".join(parts[:-2])
+    if len(parts) >= 2 and isinstance(modules.get(grandparent), (nn.ModuleList, nn.ModuleDict)):
+        return ".".join(parts[:-1])
+    return grandparent
+
+
 def outermost(model: nn.Module, names: Iterable[str]) -> list[nn.Module]:
     """The modules of ``model`` named (qualified names, "" the model), leaving out any inside another."""
     kept: list[str] = []
@@ -309,112 +387,6 @@ def owners(modules: Iterable[nn.Module]) -> list[Any]:
 def closing(modules: Iterable[nn.Module]) -> list[Any]:
     """Close, at the end of each of ``modules``' forward, what was opened inside it; the hooks' handles."""
     return [module.register_forward_hook(_leave, always_call=True) for module in modules]
-
-
-#: Modules whose hooks only observe (the memory ledger's attribution by module): they change nothing a lever does.
-_OBSERVERS = frozenset({"amp_backends.memory.ledger", __name__})
-
-
-def _global_table(name: str) -> dict[int, Any]:
-    table = getattr(torch.nn.modules.module, name, None)
-    return table if table is not None else {}  # (the table itself, empty or not: torch fills it in place)
-
-
-#: torch's tables of hooks registered for every module (dictionaries it fills and empties in place)
-_GLOBAL_TABLES = tuple(_global_table(name) for name in (
-    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks", "_global_backward_pre_hooks"))
-#: torch's module trackers (FlopCounterMode and the memory and communication debuggers run on them): their
-#: global forward hooks return nothing and edit nothing, they only note which module runs and put grad hooks
-#: on its tensors. Anything else registered for every module makes the levers stand aside.
-_TRACKERS = frozenset({"torch.utils.module_tracker.ModuleTracker", "torch.distributed._tools.mod_tracker.ModTracker"})
-
-
-def _observes(hook: Callable[..., Any]) -> bool:
-    """Whether a global module hook only observes: a method of one of torch's module trackers, or the package's."""
-    owner = getattr(hook, "__self__", None)
-    if owner is None:
-        return getattr(hook, "__module__", None) in _OBSERVERS
-    kind = type(owner)
-    return f"{kind.__module__}.{kind.__qualname__}" in _TRACKERS
-
-
-def others_hooked(module: nn.Module, own: Callable[..., Any]) -> bool:
-    """Whether hooks other than the lever's ``own`` (and the package's observers) run around ``module``:
-    its own forward, forward-pre and backward hooks, or any registered for every module. A lever that
-    changes what a layer's hooks would be given (a cast input, a tagged output) stands aside there, so that
-    they see and return what they would without it. (Called at every forward of a hooked layer: written
-    for the fewest Python calls.)"""
-    if module._backward_hooks or module._backward_pre_hooks:
-        return True
-    if any(_GLOBAL_TABLES[2:]) or (any(_GLOBAL_TABLES[:2]) and any(  # backward ones always count
-            not _observes(hook) for table in _GLOBAL_TABLES[:2] for hook in table.values())):
-        return True
-    for table in (module._forward_pre_hooks, module._forward_hooks):
-        for hook in table.values():
-            if hook is not own and hook is not _leave and getattr(hook, "__module__", None) not in _OBSERVERS:
-                return True
-    return False
-
-
-#: layers where a lever stood aside for others' hooks (since it was turned on), weakly -> which hook
-_ASIDE: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-#: (lever, hook) pairs warned of: once each per process
-_WARNED: set[tuple[str, str]] = set()
-
-
-def _name(hook: Callable[..., Any]) -> str:
-    owner = getattr(hook, "__self__", None)
-    if owner is not None:
-        return f"{type(owner).__module__}.{type(owner).__qualname__}.{getattr(hook, '__name__', '?')}"
-    fn = getattr(hook, "func", hook)  # a functools.partial: its function
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-
-
-def _foreign(module: nn.Module, own: Callable[..., Any]) -> str:
-    """Which hook :func:`others_hooked` found around ``module``, in words."""
-    kinds = (("a backward hook", module._backward_hooks, True), ("a backward pre-hook", module._backward_pre_hooks, True),
-             ("a forward pre-hook", module._forward_pre_hooks, False), ("a forward hook", module._forward_hooks, False))
-    for kind, table, any_counts in kinds:
-        for hook in table.values():
-            if any_counts or (hook is not own and hook is not _leave
-                              and getattr(hook, "__module__", None) not in _OBSERVERS):
-                return f"{kind} ({_name(hook)})"
-    for i, (kind, table) in enumerate(zip(("a forward pre-hook for every module", "a forward hook for every module",
-                                           "a backward hook for every module", "a backward pre-hook for every module"),
-                                          _GLOBAL_TABLES)):
-        for hook in table.values():
-            if i >= 2 or not _observes(hook):
-                return f"{kind} ({_name(hook)})"
-    return "another's hook"
-
-
-def foreign_forward(module: nn.Module) -> str | None:
-    """A forward another's code set on ``module`` itself (accelerate's hooks wrap each layer's this way), in
-    words; None where there is none, or it is a precision policy's float32 forward (a lever leaves that
-    layer alone by design)."""
-    forward = vars(module).get("forward")
-    if forward is None or isinstance(forward, Fp32Forward):
-        return None
-    return f"its forward replaced on the instance ({_name(forward)})"
-
-
-def stand_aside(module: nn.Module, own: Callable[..., Any], lever: str, hook: str | None = None) -> None:
-    """Note that ``lever`` (its hook ``own``) stood aside on ``module`` for others' hooks
-    (:func:`others_hooked`) or ``hook`` (another's code around the layer, in words), for
-    :attr:`Hooked.stood_aside`; a :class:`PerformanceWarning` the first time for each lever and hook,
-    since the memory it would save there is then kept."""
-    if module in _ASIDE:
-        return
-    hook = _ASIDE[module] = hook or _foreign(module, own)
-    if (lever, hook) in _WARNED:
-        return
-    _WARNED.add((lever, hook))
-    warnings.warn(
-        f"memory_lean's {lever} lever stands aside on a {type(module).__name__} with {hook}, so that the hook "
-        "sees and returns what it would without the lever; the memory the lever saves there is kept (one "
-        "warning per lever and hook; the layers are in Lean.stood_aside). To save it, take the hook off the "
-        "layer, or keep the lever off (memory_lean(..., " + lever + "=False)) to silence this.",
-        PerformanceWarning, stacklevel=2)
 
 
 class Hooked:

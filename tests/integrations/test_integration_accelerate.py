@@ -236,9 +236,9 @@ def test_cpu_offload_makes_the_shared_casts_lever_stand_aside_and_say_so(monkeyp
     stand aside there (the wrapper is handed the float32 input, as without the lever), and say so: one
     PerformanceWarning, ``Lean.stood_aside`` names q, k and v with accelerate's wrapper. The output and
     the input's gradient are bitwise those of the same offloaded model without the lever."""
-    from amp_backends.memory import memory_lean, substitutes
+    from amp_backends.memory import hooks_around, memory_lean
 
-    monkeypatch.setattr(substitutes, "_WARNED", set())
+    monkeypatch.setattr(hooks_around, "_WARNED", set())
     x, other = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
     results, said, lean = [], [], None
     for on in (False, True):

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from amp_backends import PerformanceWarning, torch_private
-from amp_backends.memory import fused_activations, memory_lean, recompute_activation_outputs, share_casts, substitutes
+from amp_backends.memory import (fused_activations, hooks_around, memory_lean, recompute_activation_outputs, share_casts,
+                                 substitutes)
 from amp_backends.memory.activation_outputs import RecomputedInputEdited, pure_function
 from amp_backends.memory.ledger import Ledger
 from sim_marks import needs_sim_device
@@ -703,7 +704,7 @@ def test_the_users_own_hooks_see_and_return_what_they_would_without_the_levers(
     expected = {"activation": {"act"}, "activation-in-place": {"act"}, "sibling-pre-hook": {"k"},
                 "sibling-backward-hook": {"k"}, "every-module": {"act"}}[where]
     aside: set[str] = set()
-    monkeypatch.setattr(substitutes, "_WARNED", set())
+    monkeypatch.setattr(hooks_around, "_WARNED", set())
     if where == "every-module":
         handle = torch.nn.modules.module.register_module_forward_hook(
             lambda mod, a, out: out * 2 if isinstance(mod, nn.GELU) else None)
@@ -914,7 +915,7 @@ def test_lean_names_the_layers_where_a_lever_stood_aside(monkeypatch: pytest.Mon
     recomputation stands aside on that layer only; ``Lean.stood_aside`` names it with the hook, its repr
     counts it, one warning says so over two steps; the other layer's output is still recomputed (fewer
     bytes saved than with the lever off everywhere, more than with it on everywhere)."""
-    monkeypatch.setattr(substitutes, "_WARNED", set())
+    monkeypatch.setattr(hooks_around, "_WARNED", set())
     x = torch.randint(0, 64, TOKENS)
 
     def lean(hooked: bool):  # type: ignore[no-untyped-def]

@@ -1,0 +1,77 @@
+"""The MLP levers under FSDP2 on 2 CPU ranks (gloo), launched by torchrun from tests/memory/test_activation_inputs.py.
+
+Each rank builds the same stack of two MLP blocks in a ModuleList (each block ``x + down(act(up(x)))``,
+the MLP its own block), turns on the activations' inputs and outputs levers, then fully_shard on each
+block and on the root, and runs one bf16-autocast step; the same without the levers. Written: whether the
+full gradients agree bitwise, and how often the up-projection ran again in the backward.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from amp_backends import distributed
+from amp_backends.distributed.sharding import fsdp_api
+from amp_backends.memory import activation_inputs, recompute_activation_inputs, recompute_activation_outputs
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+info = distributed.init_process_group("cpu")
+fully_shard, _ = fsdp_api()
+
+remakes = [0]
+_call = activation_inputs._UpProjection.__call__
+
+
+def _counted(self, x):  # type: ignore[no-untyped-def]
+    remakes[0] += 1
+    return _call(self, x)
+
+
+activation_inputs._UpProjection.__call__ = _counted  # type: ignore[method-assign]
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(self.act(self.up(h)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Mlp(), Mlp()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+grads = {}
+for on in (False, True):
+    torch.manual_seed(0)
+    net = Net()
+    if on:
+        recompute_activation_inputs(net)
+        recompute_activation_outputs(net)
+    for block in net.blocks:
+        fully_shard(block)
+    fully_shard(net)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(info.rank))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = net(x).float().pow(2).mean()
+    loss.backward()
+    grads[on] = [p.grad.full_tensor() for p in net.parameters()]
+result = {"rank": info.rank, "same": all(torch.equal(a, b) for a, b in zip(grads[False], grads[True])),
+          "remakes": remakes[0]}
+Path(args.out, f"rank{info.rank}.json").write_text(json.dumps(result))
+distributed.destroy_process_group()  # barrier, destroy, collect: avoids Gloo's abort at exit
