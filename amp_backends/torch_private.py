@@ -197,13 +197,13 @@ ATTRIBUTES: tuple[Attribute, ...] = (
               "emptied while a model runs isolated (read by name, with _global_backward_pre_hooks); read with "
               "_global_forward_pre_hooks and _global_forward_hooks: a lever that substitutes saved tensors stands "
               "aside where any is registered",
-              ("amp_backends/tracing/isolation.py", "amp_backends/memory/substitutes.py")),
+              ("amp_backends/tracing/isolation.py", "amp_backends/memory/hooks_around.py")),
     Attribute("torch.nn.Module", "_backward_hooks", "emptied while a model runs isolated (with _backward_pre_hooks); "
               "a parameter's (Tensor._backward_hooks) carried onto its fp8 all-gather wrapper; read with "
               "_forward_pre_hooks and _forward_hooks: a lever that substitutes saved tensors stands aside where "
               "a module has hooks of its user",
               ("amp_backends/tracing/isolation.py", "amp_backends/precision/fp8/carry.py",
-               "amp_backends/memory/substitutes.py")),
+               "amp_backends/memory/hooks_around.py")),
     Attribute("torch.Tensor", "_post_accumulate_grad_hooks", "a parameter's hooks, emptied while a model runs isolated "
               "and carried onto its fp8 all-gather wrapper",
               ("amp_backends/tracing/isolation.py", "amp_backends/precision/fp8/carry.py")),
