@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 . .venv/bin/activate
-python -m pip install --quiet "ruff==0.17.6" "mypy==2.4.1"
+. ci/pip_install.sh
+pip_install "ruff==0.17.6" "mypy==2.4.1"
 ruff --version
 ruff check
 mypy --version

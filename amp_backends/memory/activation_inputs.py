@@ -4,7 +4,8 @@ In a transformer's MLP the activation reads the up-projection's output (BERT's i
 GPT-2's ``c_fc``, Llama's ``gate_proj``) and saves it for its backward: a tensor of the MLP's inner width,
 while the up-projection keeps its own input, of the model's width (four times narrower in BERT and GPT-2),
 for its weight's gradient. :func:`recompute_activation_inputs` saves the activation's input as the
-up-projection's input instead, and the backward runs the up-projection again from it: one matmul a layer
+up-projection's input instead (kept anyway where the up-projection's weight is trained; the narrower
+tensor where it is frozen), and the backward runs the up-projection again from it: one matmul a layer
 more (a tenth of the layer's matmul work in BERT and GPT-2), for 48 MiB a layer of BERT-base or GPT-2 small
 at 8,192 tokens in bfloat16 (576 MiB over twelve layers). With :mod:`.activation_outputs` also on, the
 activation's output (the down-projection's saved input) is remade from the same recomputation, made
@@ -20,7 +21,10 @@ float32 and autocast casts it (a GPU's LayerNorm output), a forward pre-hook mak
 the recomputation starts from: nothing more is kept.
 
 Which layers: an ``nn.Linear`` or Transformers' ``Conv1D`` beside a known activation module
-(:func:`.activation_outputs.pure_function`) under one parent, whose output that activation reads next.
+(:func:`.activation_outputs.pure_function`) under one parent, whose output that activation reads next,
+with neither it nor the layer's input edited in between; not a layer with a forward set on it (a
+precision policy's float32 one: its input is left as it came) or weights that are not its parameters
+(``torch.func.functional_call``, FSDP1's flat-parameter views).
 Off by default in :func:`~amp_backends.memory.memory_lean` (``activation_inputs=True``): it trades a
 matmul a layer for the memory. It stands aside where others' hooks run around either layer (they see
 what they would without it), and does nothing under ``torch.compile`` or without grad.
@@ -68,7 +72,7 @@ class _UpProjection:
 
     def __init__(self, module: nn.Module, kind: str, dtype: torch.dtype) -> None:
         self.kind, self.dtype = kind, dtype
-        self.weight: torch.Tensor = module.get_parameter("weight")
+        self.weight: torch.Tensor = module.get_parameter("weight")  # (a Parameter: checked by _made)
         self.bias: torch.Tensor | None = module.bias if isinstance(module.bias, torch.Tensor) else None
         self.versions = (self.weight._version, None if self.bias is None else self.bias._version)
 
@@ -91,13 +95,18 @@ class _UpProjection:
 
 
 class _Made:
-    """An up-projection's output, weakly, with the layer, its input and the output's version."""
+    """An up-projection's output, weakly, with the layer, its input and both versions. The input is held
+    weakly too (alive where the layer's save for its weight's gradient keeps it), but strongly where it is
+    itself tagged (a cast saved as another copy, an activation's output): then nothing else keeps it, and
+    the tag this output gets is chained through it (until the activation reads the output, or it dies)."""
 
-    __slots__ = ("kind", "module", "out", "version", "x")
+    __slots__ = ("held", "kind", "module", "out", "version", "x", "x_version")
 
     def __init__(self, out: torch.Tensor, module: nn.Module, kind: str, x: torch.Tensor) -> None:
         self.out = WeakIdRef(out, functools.partial(_forget, id(out)))
-        self.module, self.kind, self.x, self.version = module, kind, x, out._version
+        self.x = WeakIdRef(x)
+        self.held = x if substitutes.tagged(x) else None
+        self.module, self.kind, self.version, self.x_version = module, kind, out._version, x._version
 
 
 #: id of a live up-projection output -> how it was made
@@ -125,8 +134,8 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     the copy it saves is the one the backward runs it again from."""
     x = args[0] if args else None
     dtype = autocast_copy_dtype(x)
-    if dtype is None or _stands_aside(module, _cast):
-        return None
+    if dtype is None or "forward" in module.__dict__ or _stands_aside(module, _cast):
+        return None  # (a forward set on the layer, a precision policy's float32 one, is given its input as it came)
     assert isinstance(x, torch.Tensor)
     return (x.to(dtype), *args[1:])
 
@@ -138,7 +147,9 @@ def _made(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
             or not out.requires_grad or args[0].dtype != out.dtype):
         return
     kind = _kind(module)
-    if kind is not None and not _stands_aside(module, _made):
+    if kind is None or "forward" in module.__dict__ or not isinstance(module.weight, nn.Parameter):
+        return  # a forward set on it; weights that are not its parameters (functional_call, FSDP1's views)
+    if not _stands_aside(module, _made):
         _MADE[id(out)] = _Made(out, module, kind, args[0])
 
 
@@ -149,15 +160,17 @@ def _tag(module: nn.Module, args: tuple[Any, ...]) -> None:
         return
     h = args[0]
     made = _MADE.get(id(h)) if isinstance(h, torch.Tensor) else None
-    if made is None or made.out() is not h or h._version != made.version:
-        return
+    x = made.x() if made is not None else None
+    if made is None or x is None or made.out() is not h or h._version != made.version or x._version != made.x_version:
+        return  # not an up-projection's output just made, or it or the layer's input edited since
     if pure_function(module) is None:  # (its forward checked there: GPT-2's GELU run fused is known)
         return
     if substitutes.others_hooked(module, _tag):
         substitutes.stand_aside(module, _tag, "activation_inputs")
         return
     base = h if h._base is None else h._base
-    substitutes.substitute(base, made.x, _UpProjection(made.module, made.kind, h.dtype), "an up-projection's input")
+    _MADE.pop(id(h), None)  # read: what it held is the tag's to hold now
+    substitutes.substitute(base, x, _UpProjection(made.module, made.kind, h.dtype), "an up-projection's input")
     substitutes.open_scope(base)  # until the activation saves it
 
 

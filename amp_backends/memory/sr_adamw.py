@@ -21,9 +21,9 @@ chunk (four float32 copies and the gradient's square; 80 MiB at the default 2**2
 ``compile=True`` runs each chunk's arithmetic as one function under ``torch.compile`` (:func:`_fused`: the
 four gathered chunks in, the parameter and moments out in their dtype) instead of 15 elementwise ops: on
 a GPU inductor makes it one kernel, reading 8 and writing 6 bytes an element of a bfloat16 chunk where
-the ops read and write about 170. The gathering ``cat`` calls and the copies back stay as they are. Every
-chunk of a step has one length but the last, so a run of steps compiles twice per dtype at most (the
-second length compiles with a dynamic one). Its random bits are inductor's: parameters agree with the
+the ops read and write about 170. The gathering ``cat`` calls and the copies back stay as they are. The
+chunk's length is dynamic: one graph per device and dtype, whatever the chunks' lengths (a chunk of one
+element runs the function eagerly). Its random bits are inductor's: parameters agree with the
 eager update to one step of their dtype where the draws differ, and moments to one step (float32: to its rounding).
 """
 
@@ -68,10 +68,11 @@ _COMPILED: list[Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] 
 
 
 def _compiled() -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """:func:`_fused` under ``torch.compile``, made once for the process (its graphs are cached by the
-    chunk's length, dtype and device)."""
+    """:func:`_fused` under ``torch.compile``, made once for the process: the chunk's length dynamic, so
+    one graph per device, dtype and rounding. Not ``fullgraph``: past dynamo's recompile limit (many
+    devices and dtypes in one process) it runs the function eagerly instead of failing the step."""
     if not _COMPILED:
-        _COMPILED.append(torch.compile(_fused, fullgraph=True))
+        _COMPILED.append(torch.compile(_fused, dynamic=True))
     return _COMPILED[0]
 
 
@@ -272,10 +273,11 @@ class StochasticAdamW(torch.optim.Optimizer):
         self._used.add(key)
         grads = [p.grad for p in params]
         if self.compile:
-            fused = _compiled()
+            compiled = _compiled()
             for chunk in plan.chunks:
                 p_views, m_views, v_views = chunk.views
                 g = torch.cat([_elements(grads[piece.index], piece) for piece in chunk.pieces])  # type: ignore[arg-type]
+                fused = compiled if chunk.numel > 1 else _fused  # (dynamo specialises a length of one: no graph for it)
                 new = fused(chunk.read(p_views, False), g, chunk.read(m_views, False), chunk.read(v_views, False),
                             decay, lr, correction1, root2, beta1, beta2, group["eps"], stochastic)
                 del g

@@ -41,7 +41,7 @@ from ..errors import AmpBackendsError
 from .hooks_around import _ASIDE, foreign_forward, others_hooked, stand_aside
 
 __all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "foreign_forward", "open_scope", "open_scope_in",
-           "others_hooked", "outermost", "owner_name", "owners", "stand_aside", "substitute"]
+           "others_hooked", "outermost", "owner_name", "owners", "stand_aside", "substitute", "tagged"]
 
 
 class SubstituteSourceEdited(AmpBackendsError, RuntimeError):
@@ -148,6 +148,13 @@ def substitute(tensor: torch.Tensor, source: torch.Tensor, make: Callable[[torch
     _TAGS[id(tensor)] = _Tag(tensor, source, make, what)
 
 
+def tagged(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (or the tensor it is a view of) is tagged, neither it nor its source edited since."""
+    base = tensor if tensor._base is None else tensor._base
+    tag = _TAGS.get(id(base))
+    return tag is not None and tag.live(base)
+
+
 class _Stored:
     """What is stored in place of a tagged tensor (or a view of it): the source, packed by the hooks in
     force before, and where the view lies in the tensor."""
@@ -231,7 +238,8 @@ class _Scope:
             # it is, so that its backward is the one it would have had (a remade copy would keep its strides).
             return self.outer_pack(t)
         stored = _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t, base)
-        tag.remade.expect()
+        if tag.make is not None:  # (a source saved as it is is never remade: nothing to count)
+            tag.remade.expect()
         self.pending.discard(id(base))
         return stored
 

@@ -314,3 +314,111 @@ def test_in_a_module_list_of_mlp_blocks_each_lever_keeps_one_tensor_less_a_block
         return sum(seen.values())
 
     assert saved(False) - saved(True) == 2 * 4 * 32 * 4
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+
+
+def _grads_of(model: nn.Module, run) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    out = run(model)
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_layer_a_precision_policy_runs_in_float32_gets_its_input_as_it_came() -> None:
+    """The up-projection run in float32 by a precision policy, a float32 input under bf16 autocast: the
+    lever neither casts its input (the float32 forward would compute on a rounded input) nor tags its
+    output; output and gradients bitwise those without the lever."""
+    from amp_backends import precision_policy
+
+    x = torch.randn(4, 8)
+    results = []
+    for on in (False, True):
+        model = _mlp()
+        precision_policy(model, fp32=["0"])
+        if on:
+            recompute_activation_inputs(model)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(_grads_of(model, lambda m: m(x)))
+    _assert_bitwise(*results)
+
+
+def test_an_input_edited_in_place_before_the_activation_reads_the_output_is_not_remade_from() -> None:
+    """``h = up(x); x.mul_(2); down(act(h))`` with ``up`` frozen (so autograd keeps no ``x`` and allows the
+    edit): the lever keeps ``h`` itself, and the gradients are those without it."""
+    results = []
+    for on in (False, True):
+        model = _mlp()
+        model[0].requires_grad_(False)
+        if on:
+            recompute_activation_inputs(model)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+        def run(m: nn.Module, x: torch.Tensor = x) -> torch.Tensor:
+            y = x * 1.0
+            h = m[0](y)
+            y.mul_(2)
+            return m[2](m[1](h)) + y.sum()
+
+        out, grads = _grads_of(model, run)
+        results.append((out, {**grads, "x": x.grad}))
+    _assert_bitwise(*results)
+
+
+def test_weights_that_are_not_the_layers_parameters_are_left_alone() -> None:
+    """``torch.func.functional_call`` hands the layers plain tensors as weights: nothing is tagged (the
+    backward would have run the layer on its own parameters), and the gradients are those without the lever."""
+    x = torch.randn(4, 8)
+    results = []
+    for on in (False, True):
+        model = _mlp()
+        if on:
+            recompute_activation_inputs(model)
+        params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+        out = torch.func.functional_call(model, params, (x,))
+        out.pow(2).mean().backward()
+        results.append((out.detach(), {n: p.grad for n, p in params.items()}))
+    _assert_bitwise(*results)
+
+
+@pytest.mark.skipif(not ACTIVE, reason="this torch cannot tell which saved-tensor hooks are in force: nothing is substituted")
+def test_with_shared_casts_where_the_up_projection_reads_the_second_copy() -> None:
+    """``down(act(up(x)) * gate(x))``, ``gate`` first, a float32 input under bf16 autocast: ``up``'s copy of
+    ``x`` is saved as ``gate``'s (shared casts), and ``up``'s output is remade from that. Gradients bitwise
+    those without the levers; no remaking holds a tensor after the backward (a copy saved as it is is never
+    remade, so it counts nothing)."""
+    from amp_backends.memory import share_casts
+
+    class GatedMlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.up, self.act, self.down = nn.Linear(8, 32), nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            g = self.gate(x)
+            return self.down(self.act(self.up(x)) * g)
+
+    x = torch.randn(4, 8)
+    results = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = GatedMlp()
+        if on:
+            share_casts(model)
+            recompute_activation_inputs(model)
+            recompute_activation_outputs(model)
+        gc.collect()
+        earlier = {id(r) for r in gc.get_objects() if isinstance(r, substitutes._Remade)}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        counter = _Matmuls()
+        with counter:
+            out.float().pow(2).mean().backward(retain_graph=True)
+        held = [r for r in gc.get_objects() if isinstance(r, substitutes._Remade) and id(r) not in earlier
+                and r.value is not None]
+        assert not held
+        results.append((counter.count, (out.detach(), {n: p.grad for n, p in model.named_parameters()})))
+    assert results[1][0] == results[0][0] + 1, "up once more"
+    _assert_bitwise(results[0][1], results[1][1])
