@@ -1,9 +1,9 @@
 """The MLP levers under FSDP2 on 2 CPU ranks (gloo), launched by torchrun from tests/memory/test_activation_inputs.py.
 
-Each rank builds the same stack of two MLP blocks in a ModuleList (each block ``x + down(act(up(x)))``,
-the MLP its own block), turns on the activations' inputs and outputs levers, then fully_shard on each
-block and on the root, and runs one bf16-autocast step; the same without the levers. Written: whether the
-full gradients agree bitwise, and how often the up-projection ran again in the backward.
+Each rank builds the same two MLP blocks in a ModuleList (``mlp_blocks.MlpBlocks``), turns on the
+activations' inputs and outputs levers, then fully_shard on each block and on the root, and runs one
+bf16-autocast step; the same without the levers. Written: whether the full gradients agree bitwise, and
+how often the up-projection ran again in the backward.
 """
 
 import argparse
@@ -11,11 +11,10 @@ import json
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from amp_backends import distributed
 from amp_backends.distributed.sharding import fsdp_api
 from amp_backends.memory import activation_inputs, recompute_activation_inputs, recompute_activation_outputs
+from mlp_blocks import MlpBlocks
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -36,30 +35,10 @@ def _counted(self, x):  # type: ignore[no-untyped-def]
 activation_inputs._UpProjection.__call__ = _counted  # type: ignore[method-assign]
 
 
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.act, self.down = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(self.act(self.up(h)))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Mlp(), Mlp()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 grads = {}
 for on in (False, True):
     torch.manual_seed(0)
-    net = Net()
+    net = MlpBlocks()
     if on:
         recompute_activation_inputs(net)
         recompute_activation_outputs(net)

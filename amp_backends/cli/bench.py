@@ -97,6 +97,10 @@ def tf32_unavailable(be: Backend) -> str | None:
     return None
 
 
+#: the lean modes' ways of training (each compared with plain AMP's step in the same rounds)
+LEAN_VIAS = ("lean", "lean-mlp", "lean-rc", "lean-sr")
+
+
 def modes_for(be: Backend) -> list[Mode]:
     """The modes this backend's device can run, and the TF32, stochastic-rounding and fp8 rows either way."""
     native = be.native_dtypes()
@@ -159,7 +163,7 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
         net = copy.deepcopy(model)
         optimizer = memory_lean(net, StochasticAdamW(net.parameters(), lr=1e-5), backend=be, weights=torch.bfloat16,
                                 master=False, lm_head=lm_head).optimizer
-    if mode.via in ("amp", "lean", "lean-mlp", "lean-rc", "lean-sr"):
+    if mode.via == "amp" or mode.via in LEAN_VIAS:
         scaler: Any = be.grad_scaler(mode.dtype)
         autocast: Callable[[], Any] = lambda: be.autocast(mode.dtype)  # noqa: E731 - one of two one-line choices
     else:
@@ -414,7 +418,7 @@ def _rows(model: str, params: int, modes: list[Mode], times: dict[str, list[floa
                 over = _iqr(_ratios(t, theirs))
                 row.update(overhead_vs_torch=over["median"], overhead_vs_torch_iqr=over["iqr"],
                            overhead_vs_torch_range=over["range"])
-        if m.via in ("lean", "lean-mlp", "lean-rc", "lean-sr") and times.get(f"amp-{_dtype_name(m.dtype)}"):
+        if m.via in LEAN_VIAS and times.get(f"amp-{_dtype_name(m.dtype)}"):
             row["vs_amp"] = statistics.median(_ratios(t, times[f"amp-{_dtype_name(m.dtype)}"]))
         if _fp8(m):
             row["compiled"] = m.name in compiled

@@ -117,24 +117,12 @@ def _forget(key: int, _ref: Any) -> None:
     _MADE.pop(key, None)
 
 
-def _stands_aside(module: nn.Module, own: Any) -> bool:
-    """Whether the lever stands aside on ``module`` (others' hooks, or another's forward set on it); says so."""
-    foreign = substitutes.foreign_forward(module)
-    if foreign is not None:
-        substitutes.stand_aside(module, own, "activation_inputs", foreign)
-        return True
-    if substitutes.others_hooked(module, own):
-        substitutes.stand_aside(module, own, "activation_inputs")
-        return True
-    return False
-
-
 def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Forward pre-hook of an up-projection: its float32 input cast as autocast would cast it, so that
     the copy it saves is the one the backward runs it again from."""
     x = args[0] if args else None
     dtype = autocast_copy_dtype(x)
-    if dtype is None or "forward" in module.__dict__ or _stands_aside(module, _cast):
+    if dtype is None or substitutes.leaves_alone(module, _cast, "activation_inputs"):
         return None  # (a forward set on the layer, a precision policy's float32 one, is given its input as it came)
     assert isinstance(x, torch.Tensor)
     return (x.to(dtype), *args[1:])
@@ -147,9 +135,9 @@ def _made(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
             or not out.requires_grad or args[0].dtype != out.dtype):
         return
     kind = _kind(module)
-    if kind is None or "forward" in module.__dict__ or not isinstance(module.weight, nn.Parameter):
-        return  # a forward set on it; weights that are not its parameters (functional_call, FSDP1's views)
-    if not _stands_aside(module, _made):
+    if kind is None or not isinstance(module.weight, nn.Parameter):
+        return  # weights that are not its parameters (functional_call, FSDP1's views)
+    if not substitutes.leaves_alone(module, _made, "activation_inputs"):
         _MADE[id(out)] = _Made(out, module, kind, args[0])
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import PerformanceWarning
 from ..precision.fp32_forward import Fp32Forward
 
-__all__ = ["foreign_forward", "others_hooked", "stand_aside"]
+__all__ = ["foreign_forward", "leaves_alone", "others_hooked", "stand_aside"]
 
 
 #: Modules whose hooks only observe (the memory ledger's attribution by module): they change nothing a lever does.
@@ -132,3 +132,18 @@ def stand_aside(module: nn.Module, own: Callable[..., Any], lever: str, hook: st
         "warning per lever and hook; the layers are in Lean.stood_aside). To save it, take the hook off the "
         "layer, or keep the lever off (memory_lean(..., " + lever + "=False)) to silence this.",
         PerformanceWarning, stacklevel=2)
+
+
+def leaves_alone(module: nn.Module, own: Callable[..., Any], lever: str) -> bool:
+    """Whether ``lever`` (its hook ``own``) leaves the layer ``module`` as it is: a forward set on it (a
+    precision policy's float32 one, by design; another's, standing aside) or others' hooks around it
+    (standing aside); each stand-aside noted (:func:`stand_aside`)."""
+    if "forward" in module.__dict__:
+        foreign = foreign_forward(module)
+        if foreign is not None:
+            stand_aside(module, own, lever, foreign)
+        return True
+    if others_hooked(module, own):
+        stand_aside(module, own, lever)
+        return True
+    return False

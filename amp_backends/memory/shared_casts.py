@@ -97,14 +97,8 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     if dtype is None:
         return None
     assert isinstance(x, torch.Tensor)
-    if "forward" in module.__dict__:  # a forward set on the layer is given its input as it came: a precision
-        foreign = substitutes.foreign_forward(module)  # policy's float32 one, or another's (accelerate's hooks)
-        if foreign is not None:
-            substitutes.stand_aside(module, _cast, "shared_casts", foreign)
-        return None
-    if substitutes.others_hooked(module, _cast):  # they see its input and its gradient in float32, as without it
-        substitutes.stand_aside(module, _cast, "shared_casts")
-        return None
+    if substitutes.leaves_alone(module, _cast, "shared_casts"):  # a forward set on it (a policy's float32 one,
+        return None  # accelerate's) or others' hooks see its input and its gradient in float32, as without the lever
     copy = x.to(dtype)
     first = _FIRST.get(id(x))
     earlier = first.copy() if first is not None and first.x() is x else None

@@ -141,6 +141,10 @@ class _Chunk:
         flat = torch.cat(views)  # (one dtype in and out: CUDA's cat batches its inputs only then)
         return flat.float() if float32 else flat
 
+    def gather(self, tensors: list[Any]) -> torch.Tensor:
+        """The chunk's elements of ``tensors`` (the gradients, laid out as the parameters), end to end, in their dtype."""
+        return torch.cat([_elements(tensors[piece.index], piece) for piece in self.pieces])
+
     def write(self, views: list[torch.Tensor], flat: torch.Tensor) -> None:
         parts = list(flat.split(self.sizes))
         for i in self.odd:
@@ -276,7 +280,7 @@ class StochasticAdamW(torch.optim.Optimizer):
             compiled = _compiled()
             for chunk in plan.chunks:
                 p_views, m_views, v_views = chunk.views
-                g = torch.cat([_elements(grads[piece.index], piece) for piece in chunk.pieces])  # type: ignore[arg-type]
+                g = chunk.gather(grads)
                 fused = compiled if chunk.numel > 1 else _fused  # (dynamo specialises a length of one: no graph for it)
                 new = fused(chunk.read(p_views, False), g, chunk.read(m_views, False), chunk.read(v_views, False),
                             decay, lr, correction1, root2, beta1, beta2, group["eps"], stochastic)
@@ -286,7 +290,7 @@ class StochasticAdamW(torch.optim.Optimizer):
             return
         for chunk in plan.chunks:
             p_views, m_views, v_views = chunk.views
-            g = torch.cat([_elements(grads[piece.index], piece) for piece in chunk.pieces]).float()  # type: ignore[arg-type]
+            g = chunk.gather(grads).float()
             p, m, v = chunk.read(p_views), chunk.read(m_views), chunk.read(v_views)
             p.sub_(p * decay)
             m.lerp_(g, 1 - beta1)

@@ -38,9 +38,10 @@ from torch import nn
 
 from .. import torch_private
 from ..errors import AmpBackendsError
-from .hooks_around import _ASIDE, foreign_forward, others_hooked, stand_aside
+from .hooks_around import _ASIDE, foreign_forward, leaves_alone, others_hooked, stand_aside
 
-__all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "foreign_forward", "open_scope", "open_scope_in",
+__all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "foreign_forward", "leaves_alone", "open_scope",
+           "open_scope_in",
            "others_hooked", "outermost", "owner_name", "owners", "stand_aside", "substitute", "tagged"]
 
 

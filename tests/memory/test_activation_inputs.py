@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from amp_backends import torch_private
 from amp_backends.memory import (UpProjectionEdited, fused_activations, memory_lean, recompute_activation_inputs,
                                  recompute_activation_outputs, substitutes)
+from mlp_blocks import MlpBlocks
 from sim_marks import needs_sim_device
 from test_substitutes import (_ON_A_GPU_LIKE_DEVICE, MODELS, TOKENS, _assert_bitwise, _build, _loss, _saved_bytes,
                               _step)
@@ -205,6 +206,36 @@ def test_a_compiled_model_is_left_to_the_compiler() -> None:
         torch.testing.assert_close(p.grad, plain[1][n], rtol=1e-5, atol=1e-6)
 
 
+class _SavedBytes:
+    """A saved-tensor hook pair counting the bytes of the distinct storages saved, the model's weights left out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen: dict[int, int] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in self.weights:
+            self.seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.seen.values())
+
+
+def _remakings() -> set[int]:
+    """The remakings alive now (other tests' graphs among them)."""
+    gc.collect()
+    return {id(r) for r in gc.get_objects() if isinstance(r, substitutes._Remade)}
+
+
+def _holding(earlier: set[int]) -> list[object]:
+    """The remakings made since ``earlier`` that still hold a tensor."""
+    return [r for r in gc.get_objects() if isinstance(r, substitutes._Remade) and id(r) not in earlier
+            and r.value is not None]
+
+
 @pytest.mark.skipif(not ACTIVE, reason="this torch cannot tell which saved-tensor hooks are in force: nothing is substituted")
 def test_a_stack_of_linears_and_gelus_keeps_only_its_input_and_runs_each_linear_once_more() -> None:
     """``Linear, GELU, Linear, GELU, Linear`` (the bench's ``mlp``): each GELU's input and output are
@@ -224,29 +255,19 @@ def test_a_stack_of_linears_and_gelus_keeps_only_its_input_and_runs_each_linear_
         if on:
             recompute_activation_inputs(model)
             recompute_activation_outputs(model)
-        seen: dict[int, int] = {}
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in weights:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        gc.collect()
-        earlier = {id(r) for r in gc.get_objects() if isinstance(r, substitutes._Remade)}  # other tests' graphs
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        saved = _SavedBytes(model)
+        earlier = _remakings()
+        with saved.hooks:
             loss = model(x).pow(2).mean()
         counter = _Matmuls()
         with counter:
             loss.backward(retain_graph=True)  # the graph kept: what the remakings hold after it is theirs
-        held = [r for r in gc.get_objects()
-                if isinstance(r, substitutes._Remade) and id(r) not in earlier and r.value is not None]
-        assert not held, "each remaking dropped after its last use"
-        results.append((sum(seen.values()), counter.count,
+        assert not _holding(earlier), "each remaking dropped after its last use"
+        results.append((saved.bytes, counter.count,
                         (loss.detach(), {n: p.grad for n, p in model.named_parameters()})))
-    (plain_saved, plain_mm, plain), (saved, mm, lean) = results
+    (plain_saved, plain_mm, plain), (lean_saved, mm, lean) = results
     assert plain_saved == 4 * (8 + 32 + 32 + 16 + 16 + 2) * 4, plain_saved  # (and the output, for the loss's pow)
-    assert saved == 4 * (8 + 2) * 4, "the stack's input alone (and the output)"
+    assert lean_saved == 4 * (8 + 2) * 4, "the stack's input alone (and the output)"
     assert mm == plain_mm + 2
     _assert_bitwise(plain, lean)
 
@@ -268,26 +289,6 @@ def test_under_fsdp2_on_two_ranks_the_gradients_are_the_same_and_each_block_rema
         assert result["same"] and result["remakes"] == 2, result
 
 
-class _Block(nn.Module):  # the MLP is the block: its activation's grandparent is the list holding it
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.act, self.down = nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(self.act(self.up(h)))
-
-
-class _Listed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([_Block(), _Block()])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 @pytest.mark.skipif(not ACTIVE, reason="this torch cannot tell which saved-tensor hooks are in force: nothing is substituted")
 @pytest.mark.parametrize("lever", ["inputs", "outputs"])
 def test_in_a_module_list_of_mlp_blocks_each_lever_keeps_one_tensor_less_a_block(lever: str) -> None:
@@ -298,20 +299,13 @@ def test_in_a_module_list_of_mlp_blocks_each_lever_keeps_one_tensor_less_a_block
 
     def saved(on: bool) -> int:
         torch.manual_seed(0)
-        model = _Listed()
+        model = MlpBlocks()
         if on:
             (recompute_activation_inputs if lever == "inputs" else recompute_activation_outputs)(model)
-        seen: dict[int, int] = {}
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in weights:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        counted = _SavedBytes(model)
+        with counted.hooks:
             model(x).pow(2).mean()
-        return sum(seen.values())
+        return counted.bytes
 
     assert saved(False) - saved(True) == 2 * 4 * 32 * 4
 
@@ -409,16 +403,13 @@ def test_with_shared_casts_where_the_up_projection_reads_the_second_copy() -> No
             share_casts(model)
             recompute_activation_inputs(model)
             recompute_activation_outputs(model)
-        gc.collect()
-        earlier = {id(r) for r in gc.get_objects() if isinstance(r, substitutes._Remade)}
+        earlier = _remakings()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x)
         counter = _Matmuls()
         with counter:
             out.float().pow(2).mean().backward(retain_graph=True)
-        held = [r for r in gc.get_objects() if isinstance(r, substitutes._Remade) and id(r) not in earlier
-                and r.value is not None]
-        assert not held
+        assert not _holding(earlier)
         results.append((counter.count, (out.detach(), {n: p.grad for n, p in model.named_parameters()})))
     assert results[1][0] == results[0][0] + 1, "up once more"
     _assert_bitwise(results[0][1], results[1][1])
