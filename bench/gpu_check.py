@@ -81,7 +81,7 @@ SMOKE_TESTS_K = "round_times or fp8_gets"
 BENCH_MODELS = ["hf-bert", "bert-base", "hf-gpt2", "gpt2-small", "tv-resnet50", "resnet50"]
 SMOKE_MODELS = ["mlp"]
 TIME_MODES = ["fp32", "tf32", "amp-float16", "torch-float16", "amp-bfloat16", "torch-bfloat16", "lean-bf16",
-              "lean-bf16-mlp", "lean-bf16-rc", "lean-bf16-sr"]
+              "lean-bf16-max", "lean-bf16-rc", "lean-bf16-sr"]
 FP8_MODES = ["amp-bfloat16", "amp-fp8", "torchao-fp8", "bf16-fp8-baseline"]
 
 

@@ -89,11 +89,12 @@ _OFF = {"saves": False, "activations": False, "activation_outputs": False, "shar
 LEVERS: dict[str, dict[str, Any]] = {
     "amp": {}, "saves": {**_OFF, "saves": True}, "activations": {**_OFF, "activations": True},
     "activation_outputs": {**_OFF, "activation_outputs": True}, "shared_casts": {**_OFF, "shared_casts": True},
-    "activation_inputs": {**_OFF, "activation_inputs": True},
+    "activation_inputs": {**_OFF, "activation_inputs": True}, "dropout_masks": {**_OFF, "dropout_masks": True},
     "weights": {**_OFF, "weights": torch.bfloat16}, "head": {**_OFF, "lm_head": True},
     "recompute": {**_OFF, "recompute": True},
     "all": {"weights": torch.bfloat16, "lm_head": True},  # the defaults on, as `lean-bf16` runs
-    "all+inputs": {"weights": torch.bfloat16, "lm_head": True, "activation_inputs": True},  # as `lean-bf16-mlp` runs
+    "all+max": {"weights": torch.bfloat16, "lm_head": True, "activation_inputs": True,
+                "dropout_masks": True},  # as `lean-bf16-max` runs
 }
 
 

@@ -10,8 +10,9 @@ interleaved round by round after warm-up, so that drift of the machine hits them
 - ``torch-<dtype>``: the same step through raw ``torch.autocast`` + ``torch.amp.GradScaler``,
   so ``overhead_vs_torch`` is the adapter's cost (median of per-round ratios, with its
   interquartile range and full range);
-- ``lean-bf16`` (:func:`amp_backends.memory_lean`, fp32 masters), ``lean-bf16-mlp`` (the same with
-  ``activation_inputs=True``: models with a GELU, SiLU or Mish module beside a linear), ``lean-bf16-rc`` (the same with
+- ``lean-bf16`` (:func:`amp_backends.memory_lean`, fp32 masters), ``lean-bf16-max`` (the same with
+  the exact levers off by default, ``activation_inputs=True`` and ``dropout_masks=True``: models with a
+  GELU, SiLU or Mish module beside a linear, or a dropout), ``lean-bf16-rc`` (the same with
   ``recompute=True``: models with repeated blocks) and ``lean-bf16-sr``
   (:class:`~amp_backends.memory.StochasticAdamW` rounding bf16 stochastically, no masters);
 - ``amp-fp8``, ``torchao-fp8`` and their baseline ``bf16-fp8-baseline`` where the device has fp8
@@ -98,7 +99,7 @@ def tf32_unavailable(be: Backend) -> str | None:
 
 
 #: the lean modes' ways of training (each compared with plain AMP's step in the same rounds)
-LEAN_VIAS = ("lean", "lean-mlp", "lean-rc", "lean-sr")
+LEAN_VIAS = ("lean", "lean-max", "lean-rc", "lean-sr")
 
 
 def modes_for(be: Backend) -> list[Mode]:
@@ -112,7 +113,7 @@ def modes_for(be: Backend) -> list[Mode]:
     if torch.bfloat16 in be.supported_dtypes():
         bf16 = torch.bfloat16 in native
         modes.append(Mode("lean-bf16", "lean", torch.bfloat16, bf16))
-        modes.append(Mode("lean-bf16-mlp", "lean-mlp", torch.bfloat16, bf16))
+        modes.append(Mode("lean-bf16-max", "lean-max", torch.bfloat16, bf16))
         modes.append(Mode("lean-bf16-rc", "lean-rc", torch.bfloat16, bf16))
         modes.append(Mode("lean-bf16-sr", "lean-sr", torch.bfloat16, bf16))
     from .bench_fp8 import FP8_MODES, fp8_unavailable
@@ -154,10 +155,11 @@ def make_step(be: Backend, model: torch.nn.Module, opt: torch.optim.Optimizer,
         return full_step
     fp16 = mode.dtype == torch.float16
     net, optimizer = model, opt
-    if mode.via in ("lean", "lean-mlp", "lean-rc"):
+    if mode.via in ("lean", "lean-max", "lean-rc"):
         net = copy.deepcopy(model)
         lean = memory_lean(net, torch.optim.AdamW(net.parameters(), lr=1e-5), backend=be, weights=torch.bfloat16,
-                           lm_head=lm_head, recompute=mode.via == "lean-rc", activation_inputs=mode.via == "lean-mlp")
+                           lm_head=lm_head, recompute=mode.via == "lean-rc", activation_inputs=mode.via == "lean-max",
+                           dropout_masks=mode.via == "lean-max")
         optimizer = lean.optimizer
     elif mode.via == "lean-sr":
         net = copy.deepcopy(model)

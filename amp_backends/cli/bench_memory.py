@@ -4,8 +4,9 @@ mode does to the loss.
 The ledger (:mod:`amp_backends.memory.ledger`) of a training step of each bench model at its full size
 and real batch size, per mode: float32, AMP in each autocast dtype, and memory-lean AMP
 (:func:`amp_backends.memory_lean`: bfloat16 weights with float32 masters, low-precision saves, the LM
-head in blocks of rows; ``lean-bf16-mlp``: the same with the activations' inputs recomputed from the
-MLP's up-projection input in backward (``activation_inputs=True``: a matmul a layer); ``lean-bf16-rc``:
+head in blocks of rows; ``lean-bf16-max``: the same with the two exact levers that are off by default, the activations' inputs
+recomputed from the MLP's up-projection input in backward (``activation_inputs=True``: a matmul a layer)
+and dropouts' masks kept as bits (``dropout_masks=True``); ``lean-bf16-rc``:
 the same with the transformer blocks' cheap ops recomputed in backward (``recompute=True``);
 ``lean-bf16-sr``: bfloat16 weights and moments, the weights rounded stochastically by
 :class:`~amp_backends.memory.StochasticAdamW`, no masters). On a CPU the steps run on fake tensors: every
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from ..backend import Backend, get
 from ..console import render_table
@@ -52,7 +54,7 @@ def ledger_modes(be: Backend) -> list[tuple[str, str | None]]:
     modes += [(f"amp-{str(d).replace('torch.', '')}", None) for d in (torch.float16, torch.bfloat16)
               if d in be.supported_dtypes()]
     if torch.bfloat16 in be.supported_dtypes():
-        modes += [("lean-bf16", None), ("lean-bf16-mlp", None), ("lean-bf16-rc", None), ("lean-bf16-sr", None)]
+        modes += [("lean-bf16", None), ("lean-bf16-max", None), ("lean-bf16-rc", None), ("lean-bf16-sr", None)]
     return modes
 
 
@@ -65,21 +67,23 @@ def recompute_unavailable(name: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def activation_inputs_unavailable(name: str) -> str | None:
-    """Why bench model ``name`` has no ``lean-bf16-mlp`` row (no activation module beside a linear whose
-    input the lever could remake: the row would be ``lean-bf16``'s again), or None."""
-    handle = recompute_activation_inputs(MODELS[name].build("small"))
-    if handle.activations:
+def max_levers_unavailable(name: str) -> str | None:
+    """Why bench model ``name`` has no ``lean-bf16-max`` row (no activation module beside a linear whose
+    input could be remade, and no dropout: the row would be ``lean-bf16``'s again), or None."""
+    model = MODELS[name].build("small")
+    dropouts = any(isinstance(m, nn.Dropout) and 0 < m.p < 1 for m in model.modules())
+    if recompute_activation_inputs(model).activations or dropouts:
         return None
-    return "no GELU, SiLU or Mish module beside a linear (memory_lean(activation_inputs=True) finds nothing)"
+    return ("no GELU, SiLU or Mish module beside a linear and no dropout (memory_lean(activation_inputs=True, "
+            "dropout_masks=True) finds nothing)")
 
 
 def mode_unavailable(name: str, mode: str) -> str | None:
     """Why bench model ``name`` has no row of ``mode`` although the backend runs it (its lever finds nothing), or None."""
     if mode == "lean-bf16-rc":
         return recompute_unavailable(name)
-    if mode == "lean-bf16-mlp":
-        return activation_inputs_unavailable(name)
+    if mode == "lean-bf16-max":
+        return max_levers_unavailable(name)
     return None
 
 
@@ -102,9 +106,10 @@ def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *
                                    master=False, lm_head=LEAN_HEADS.get(name)).optimizer
         else:
             opt = torch.optim.AdamW(model.parameters(), lr=lr)
-            if mode in ("lean-bf16", "lean-bf16-mlp", "lean-bf16-rc"):
+            if mode in ("lean-bf16", "lean-bf16-max", "lean-bf16-rc"):
                 lean = memory_lean(model, opt, backend=be, weights=torch.bfloat16, lm_head=LEAN_HEADS.get(name),
-                                   recompute=mode == "lean-bf16-rc", activation_inputs=mode == "lean-bf16-mlp")
+                                   recompute=mode == "lean-bf16-rc", activation_inputs=mode == "lean-bf16-max",
+                                   dropout_masks=mode == "lean-bf16-max")
                 opt, master = lean.optimizer, (lambda: list(lean._masters.values()))
         # a fake step cannot make the scaler's decision (a host read of found_inf): it is counted as a step
         # that runs; the scaler's own tensors are a few bytes, its unscale works in place

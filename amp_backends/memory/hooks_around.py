@@ -28,7 +28,7 @@ _OBSERVERS = frozenset({"amp_backends.memory.ledger", "amp_backends.memory.subst
 #: The levers that put hooks on layers: each knows what the others do to a layer's input and output (they
 #: compose: tested), so none stands aside for another's hook.
 _LEVERS = frozenset({"amp_backends.memory.shared_casts", "amp_backends.memory.activation_outputs",
-                     "amp_backends.memory.activation_inputs"})
+                     "amp_backends.memory.activation_inputs", "amp_backends.memory.dropout_masks"})
 _OURS = _OBSERVERS | _LEVERS
 
 

@@ -18,6 +18,9 @@ Each lever is on its own switch and usable alone:
   recomputed in backward from the up-projection's input, which it keeps anyway (:mod:`.activation_inputs`;
   bitwise the same gradients, one matmul a layer more; with ``activation_outputs`` the MLP keeps nothing of
   its inner width);
+- ``dropout_masks`` (default off): the masks ``nn.Dropout`` modules keep for backward are stored as
+  bits, eight to a byte (:mod:`.dropout_masks`; the same masks, bitwise the same gradients, a few small
+  ops a dropout to pack and unpack);
 - ``shared_casts`` (default on): where autocast casts one float32 activation for several sibling
   linears (BERT's query, key and value on a GPU), one low-precision copy is kept for backward instead of
   one per linear (:mod:`.shared_casts`; the same casts and matmuls, bitwise the same gradients);
@@ -59,6 +62,7 @@ from .activation_outputs import ActivationOutputs, recompute_activation_outputs
 from .activations import FusedActivations, fused_activations
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
 from .compile_once import compile_once, uses_compile_per_call
+from .dropout_masks import DropoutMasks, pack_dropout_masks
 from .master import LOW_PRECISION, MasterWeights
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import LowPrecisionSaves, low_precision_saves
@@ -90,12 +94,13 @@ class Lean:
                  saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None,
                  recompute: Recompute | None = None, activations: FusedActivations | None = None,
                  outputs: ActivationOutputs | None = None, casts: SharedCasts | None = None,
-                 inputs: ActivationInputs | None = None) -> None:
+                 inputs: ActivationInputs | None = None, masks: DropoutMasks | None = None) -> None:
         self.model, self.optimizer, self.weights = model, optimizer, weights
         #: parameter name -> why it stayed float32 (of those the optimizer trains)
         self.kept = kept
         self._lowered, self._saves, self._head, self._recompute = lowered, saves, head, recompute
         self._activations, self._outputs, self._casts, self._inputs = activations, outputs, casts, inputs
+        self._masks = masks
 
     @property
     def masters(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -161,6 +166,9 @@ class Lean:
         if self._inputs is not None:
             self._inputs.remove()
             self._inputs = None
+        if self._masks is not None:
+            self._masks.remove()
+            self._masks = None
         if self._head is not None:
             undo_lazy_head(self._head)
         if self._recompute is not None:
@@ -201,6 +209,7 @@ class Lean:
                  if self._casts is not None and self._casts.active else "",
                  f"{len(self._inputs.activations)} activations' inputs recomputed"
                  if self._inputs is not None and self._inputs.active else "",
+                 f"{len(self._masks.modules)} dropouts' masks as bits" if self._masks is not None and self._masks.active else "",
                  f"{len(self.stood_aside)} layers stood aside for others' hooks" if self.stood_aside else ""]
         return f"<Lean {'; '.join(p for p in parts if p) or 'off'}>"
 
@@ -299,7 +308,8 @@ def _submodule(model: nn.Module, name: str) -> nn.Module:
 def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, backend: Any = None,
                 weights: torch.dtype | str | None = None, master: bool = True, lm_head: str | nn.Module | None = None,
                 saves: bool = True, recompute: bool | list[nn.Module] = False, activations: bool = True,
-                activation_outputs: bool = True, shared_casts: bool = True, activation_inputs: bool = False) -> Lean:
+                activation_outputs: bool = True, shared_casts: bool = True, activation_inputs: bool = False,
+                dropout_masks: bool = False) -> Lean:
     """Turn on the memory levers of mixed precision for ``model`` (see the module docstring); returns
     the handle whose ``optimizer`` the training loop uses. Everything is checked before anything changes.
     ``recompute``: True (the model's repeated blocks, found) or the blocks: their cheap elementwise ops
@@ -308,7 +318,8 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     outputs recomputed from their inputs where a later op saves them (:mod:`.activation_outputs`).
     ``shared_casts``: one low-precision copy saved of a float32 activation autocast casts for several
     sibling linears (:mod:`.shared_casts`). ``activation_inputs``: activations' inputs recomputed from the
-    up-projection's input in backward, a matmul a layer (:mod:`.activation_inputs`)."""
+    up-projection's input in backward, a matmul a layer (:mod:`.activation_inputs`). ``dropout_masks``: the
+    masks dropouts save kept as bits (:mod:`.dropout_masks`)."""
     weights, head = _check(model, optimizer, weights, master, lm_head, backend)
     again = None
     if recompute is not False:
@@ -347,8 +358,9 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     outputs = recompute_activation_outputs(model) if activation_outputs else None
     casts = share_casts(model) if shared_casts else None
     inputs = recompute_activation_inputs(model) if activation_inputs else None
+    masks = pack_dropout_masks(model) if dropout_masks else None
     if head is not None:
         lazy_head(head)
-    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts, inputs)
+    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts, inputs, masks)
     _ON[model] = True
     return lean
