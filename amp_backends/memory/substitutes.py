@@ -207,7 +207,7 @@ class _Scope:
     def __init__(self, outer: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
         self.outer_pack: Callable[[torch.Tensor], Any] | None = outer[0] if outer is not None else None
         self.outer_unpack: Callable[[Any], torch.Tensor] | None = outer[1] if outer is not None else None
-        self.context = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self.context: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         #: ids of the tagged tensors made for this scope and not yet saved
         self.pending: set[int] = set()
         self.closed = False
@@ -219,10 +219,12 @@ class _Scope:
             self.exit()
 
     def exit(self) -> None:
-        """Take the hooks out of force, once."""
+        """Take the hooks out of force, once, and drop the context (it holds the bound hooks: a cycle that
+        would keep the hooks beneath alive, a checkpoint's frame or the ledger's, until a collection)."""
         if not self.closed:
             self.closed = True
             self.context.__exit__(None, None, None)
+            self.context = None
 
     def pack(self, t: torch.Tensor) -> Any:
         base = t if t._base is None else t._base

@@ -325,3 +325,30 @@ def test_a_forward_interrupted_inside_a_dropout_leaves_nothing_in_force() -> Non
         grads.append((torch.zeros(()), {n: p.grad for n, p in net.named_parameters()}))
         assert _top_hooks() is None
     _assert_bitwise(*grads)
+
+
+def test_no_scope_outlives_its_step_without_a_garbage_collection() -> None:
+    """A scope's context held its bound hooks, a cycle only a collection freed, keeping the hooks beneath
+    it alive (a checkpoint's frame, the ledger's) until then: closed scopes drop it. Both kinds, the
+    dropouts' and the substituted saves' (``activation_outputs``), counted with the collector off."""
+    import gc
+
+    from amp_backends.memory import fused_activations, recompute_activation_outputs, substitutes
+
+    model = _build("bert")
+    fused_activations(model)
+    recompute_activation_outputs(model)
+    pack_dropout_masks(model)
+    x = torch.randint(0, 64, TOKENS)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _loss(model, "bert", x)
+            loss.backward()
+            del loss
+        alive = [type(o).__module__ for o in gc.get_objects() if isinstance(o, (substitutes._Scope, dropout_masks._Scope))]
+    finally:
+        gc.enable()
+    assert alive == [], alive
