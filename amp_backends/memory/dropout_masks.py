@@ -125,7 +125,7 @@ class _Scope:
                 bits = pack_bits(kept)
         self.close()
         if bits is None:
-            return t if self.outer_pack is None else self.outer_pack(t)
+            return t.detach() if self.outer_pack is None else self.outer_pack(t)  # (detached: as substitutes does)
         return _Bits(self, bits if self.outer_pack is None else self.outer_pack(bits), t.shape, t.dtype, value)
 
     def unpack(self, stored: Any) -> torch.Tensor:

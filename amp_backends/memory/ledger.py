@@ -189,7 +189,10 @@ class Ledger(TorchDispatchMode):
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Name what runs inside (shown as where the peak fell), and mark what autograd saves for backward."""
+        """Name what runs inside (shown as where the peak fell), and mark what autograd saves for backward.
+        Saved tensors are handed back as they are (the levers find them by identity), so a graph built inside
+        and never run backward (nor freed by a backward without ``retain_graph``) stays alive: an op's saved
+        output then holds its own grad_fn, a cycle through C++ no collection frees. Run the backward."""
         self._phase_at.append((self._clock, name))
 
         def pack(t: torch.Tensor) -> torch.Tensor:

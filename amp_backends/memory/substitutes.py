@@ -233,7 +233,9 @@ class _Scope:
                 or tag.source._version != tag.source_version):  # either edited since: saved as it is
             if not self.pending:
                 self._close_after_consumer()
-            return t if self.outer_pack is None else self.outer_pack(t)
+            # detached: a saved output handed back as it is would hold its own grad_fn, a cycle through C++
+            # that no collection frees where the graph never runs backward; autograd restores the grad_fn
+            return t.detach() if self.outer_pack is None else self.outer_pack(t)
         source = tag.source
         if self.outer_pack is not None and not (t.is_contiguous() and source.is_contiguous()):
             # Hooks in force before may store a tensor in another layout (save_on_cpu stores it contiguous)

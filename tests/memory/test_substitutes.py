@@ -971,3 +971,53 @@ def test_torchs_module_trackers_leave_the_levers_on_and_a_hook_of_the_users_for_
         assert _saved_bytes(lean(), "bert", x)[1] == _saved_bytes(_build("bert"), "bert", x)[1]
     finally:
         handle.remove()
+
+
+class _TanhMlp(nn.Module):
+    """An MLP whose activation's output goes through ``tanh`` (which saves its own output) before the
+    consumer: a save of an op's output passes through the lever's scope."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.act(self.up(h))))
+
+
+class _TanhBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _TanhMlp()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(h)
+
+
+def test_a_forward_never_run_backward_leaves_no_graph_alive() -> None:
+    """A saved-tensor hook that hands an op's saved output back as it is makes a cycle through C++ (the
+    output's grad_fn owns the saved variable that holds the output) which no collection frees where the
+    graph never runs backward (a validation pass under grad, a ``retain_graph`` dropped): the lever's scope
+    hands back a detached tensor (it leaked such graphs before). Counted: tensors with a grad_fn alive
+    after a collection; and the gradients with the lever still bitwise."""
+    import gc
+
+    def alive() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_TanhBlock(), _TanhBlock())
+    plain = copy.deepcopy(model)
+    handle = recompute_activation_outputs(model)
+    assert handle.modules
+    x = torch.randn(4, 8)
+    before = alive()
+    model(x).sum()
+    model(x).sum().backward(retain_graph=True)
+    assert alive() == before
+    model.zero_grad()
+    for net in (model, plain):
+        net(x).square().sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad)
