@@ -36,6 +36,7 @@ from ..memory.fake import Setup, measure, on_meta_then_fake
 from ..memory.activation_inputs import recompute_activation_inputs
 from ..memory.lean import memory_lean
 from ..memory.recompute import find_blocks
+from ..memory.recompute import unavailable_reason as recompute_torch_unavailable
 from ..memory.sr_adamw import StochasticAdamW
 from ..memory.ledger import PARTS, Ledger, MemoryReport
 from .bench_models import MODELS
@@ -60,7 +61,10 @@ def ledger_modes(be: Backend) -> list[tuple[str, str | None]]:
 
 @functools.lru_cache(maxsize=None)
 def recompute_unavailable(name: str) -> str | None:
-    """Why bench model ``name`` has no ``lean-bf16-rc`` row (no repeated blocks to recompute), or None."""
+    """Why bench model ``name`` has no ``lean-bf16-rc`` row (this torch cannot recompute selectively, or
+    no repeated blocks to recompute), or None."""
+    if (why := recompute_torch_unavailable()) is not None:
+        return why
     if find_blocks(MODELS[name].build("small")):
         return None
     return "no repeated transformer blocks to recompute (memory_lean(recompute=True) refuses it)"

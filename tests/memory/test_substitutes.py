@@ -1004,7 +1004,14 @@ def test_a_forward_never_run_backward_leaves_no_graph_alive() -> None:
 
     def alive() -> int:
         gc.collect()
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+        count = 0
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor):
+                try:
+                    count += o.grad_fn is not None
+                except RuntimeError:  # an undefined tensor (torch 2.4's collector lists some)
+                    pass
+        return count
 
     torch.manual_seed(0)
     model = nn.Sequential(_TanhBlock(), _TanhBlock())
