@@ -35,7 +35,6 @@ start again in a fresh process.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,10 +49,15 @@ __all__ = ["DropoutMasks", "pack_bits", "pack_dropout_masks", "unpack_bits"]
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
+def _fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (the memory ledger's: no values, a fake mode's own)."""
+    fake = torch_private.FakeTensor
+    return fake is not None and isinstance(t, fake)
+
+
 def _shifts(like: torch.Tensor) -> torch.Tensor:
     """0..7 as uint8 on ``like``'s device (made afresh for a fake tensor: a fake mode's own)."""
-    fake = torch_private.FakeTensor
-    if fake is not None and isinstance(like, fake):
+    if _fake(like):
         return torch.arange(8, dtype=torch.uint8, device=like.device)
     shifts = _SHIFTS.get(like.device)
     if shifts is None:
@@ -88,30 +92,22 @@ class _Bits:
         self.scope, self.packed, self.shape, self.dtype, self.value = scope, packed, shape, dtype, value
 
 
-class _Scope:
+class _Scope(substitutes.HooksOver):
     """The hook pair of one dropout's forward, over the hooks in force when it began (or none). It takes
     the first save (the mask) and closes itself there."""
 
-    __slots__ = ("context", "done", "noise", "outer_pack", "outer_unpack")
-
     def __init__(self, outer: tuple[Any, Any] | None, noise: tuple[torch.dtype, torch.Size, torch.device] | None) -> None:
-        self.outer_pack: Callable[[torch.Tensor], Any] | None = outer[0] if outer is not None else None
-        self.outer_unpack: Callable[[Any], torch.Tensor] | None = outer[1] if outer is not None else None
+        super().__init__(outer)
         #: the dtype, shape and device of the dropout's input (not the input: a stored mask holds its scope),
         #: on a device whose saved noise is checked (the CPU: a host read costs nothing)
         self.noise = noise
+        #: the first save taken: every later one is passed on, even where hooks put in force over these
+        #: keep them in force
         self.done = False
-        self.context: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self.context.__enter__()
 
     def close(self) -> None:
-        """Take the hooks out of force where they are the innermost (else they pass every save on), and
-        drop the context (it holds the bound hooks: a cycle that would keep the outer hooks alive)."""
         self.done = True
-        top = torch_private.top_saved_tensors_hooks(False)
-        if self.context is not None and top is not None and top[0] == self.pack:
-            self.context.__exit__(None, None, None)
-            self.context = None
+        super().close()
 
     def pack(self, t: torch.Tensor) -> Any:
         bits = value = None
@@ -125,13 +121,13 @@ class _Scope:
                 bits = pack_bits(kept)
         self.close()
         if bits is None:
-            return t.detach() if self.outer_pack is None else self.outer_pack(t)  # (detached: as substitutes does)
+            return self.pass_on(t)
         return _Bits(self, bits if self.outer_pack is None else self.outer_pack(bits), t.shape, t.dtype, value)
 
     def unpack(self, stored: Any) -> torch.Tensor:
         if not isinstance(stored, _Bits) or stored.scope is not self:
-            return stored if self.outer_unpack is None else self.outer_unpack(stored)
-        bits = stored.packed if self.outer_unpack is None else self.outer_unpack(stored.packed)
+            return self.unpack_outer(stored)
+        bits = self.unpack_outer(stored.packed)
         mask = unpack_bits(bits, stored.shape)
         return mask if stored.value is None else (mask * stored.value).view(stored.dtype)
 
@@ -146,8 +142,7 @@ def _noise(noise: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | Non
     values, is taken as torch's noise); else ``(None, None)``. Compared as integers: exact, and faster."""
     ints = noise.view(_BITS_OF[noise.element_size()])
     kept, value = ints.ne(0), ints.amax()
-    fake = torch_private.FakeTensor
-    if (fake is not None and isinstance(noise, fake)) or torch.equal(kept * value, ints):
+    if _fake(noise) or torch.equal(kept * value, ints):
         return kept, value
     return None, None
 
@@ -161,15 +156,13 @@ def _enter(module: nn.Dropout, args: tuple[Any, ...]) -> None:
         return
     _leave(module, args, None)  # a scope a KeyboardInterrupt left open
     if (not module.training or not 0.0 < module.p < 1.0 or len(args) != 1 or not isinstance(args[0], torch.Tensor)
-            or not args[0].requires_grad or not torch.is_grad_enabled()
-            or not substitutes.available() or not torch_private.saved_tensors_hooks_are_enabled()):
+            or not args[0].requires_grad or not substitutes.can_open()):
         return
     x = args[0]
-    fake = torch_private.FakeTensor
-    checkable = fake is None or not isinstance(x, fake) or (type(module).forward is nn.Dropout.forward
-                                                             and "forward" not in vars(module))
+    checkable = not _fake(x) or (type(module).forward is nn.Dropout.forward and "forward" not in vars(module))
     noise = (x.dtype, x.shape, x.device) if x.device.type == "cpu" and checkable else None
-    _LOCAL.scope = _Scope(torch_private.top_saved_tensors_hooks(False), noise)
+    scope = _LOCAL.scope = _Scope(torch_private.top_saved_tensors_hooks(False), noise)
+    scope.enter()
 
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:

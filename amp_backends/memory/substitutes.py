@@ -40,9 +40,8 @@ from .. import torch_private
 from ..errors import AmpBackendsError
 from .hooks_around import _ASIDE, foreign_forward, leaves_alone, others_hooked, stand_aside
 
-__all__ = ["Hooked", "SubstituteSourceEdited", "available", "closing", "foreign_forward", "leaves_alone", "open_scope",
-           "open_scope_in",
-           "others_hooked", "outermost", "owner_name", "owners", "stand_aside", "substitute", "tagged"]
+__all__ = ["Hooked", "HooksOver", "SubstituteSourceEdited", "available", "can_open", "closing", "foreign_forward",
+           "leaves_alone", "open_scope", "open_scope_in", "others_hooked", "outermost", "owner_name", "owners", "stand_aside", "substitute", "tagged"]
 
 
 class SubstituteSourceEdited(AmpBackendsError, RuntimeError):
@@ -197,20 +196,33 @@ def _laid_out(t: torch.Tensor, layout: tuple[torch.Size, tuple[int, ...]]) -> to
     return torch.empty_strided(*layout, dtype=t.dtype, device=t.device).copy_(t)
 
 
-class _Scope:
-    """The pack and unpack hooks of one scope, over the hooks in force when it began (or none).
+def can_open() -> bool:
+    """Whether saved-tensor hooks can be put in force over those in force here: this torch tells which are
+    (:func:`available`), nothing is being compiled, grad is on and the hooks are not disabled (``torch.func``)."""
+    return (available() and not torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and torch_private.saved_tensors_hooks_are_enabled())
 
-    It closes itself at the first save of another tensor once each tag made for it has been substituted
-    (:attr:`pending` empty: the consumer saved it), so that the rest of the block's saves cost no Python
-    call; else at its block's end."""
+
+class HooksOver:
+    """A ``saved_tensors_hooks`` pair over the hooks in force when it was made (or none): what it does not
+    store itself it passes on to those (:meth:`pass_on`, :meth:`unpack_outer`); it comes out of force
+    where it is the innermost (:meth:`close`). Subclasses write :meth:`pack` and :meth:`unpack`."""
 
     def __init__(self, outer: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
         self.outer_pack: Callable[[torch.Tensor], Any] | None = outer[0] if outer is not None else None
         self.outer_unpack: Callable[[Any], torch.Tensor] | None = outer[1] if outer is not None else None
         self.context: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        #: ids of the tagged tensors made for this scope and not yet saved
-        self.pending: set[int] = set()
         self.closed = False
+
+    def pack(self, t: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def enter(self) -> None:
+        """Put the hooks in force."""
+        self.context.__enter__()
 
     def close(self) -> None:
         """Take the hooks out of force where they are the innermost (hooks put in force over them are not
@@ -226,6 +238,29 @@ class _Scope:
             self.context.__exit__(None, None, None)
             self.context = None
 
+    def pass_on(self, t: torch.Tensor) -> Any:
+        """A save not stored here, to the hooks beneath; where there are none, detached: a saved output
+        handed back as it is would hold its own grad_fn, a cycle through C++ that no collection frees where
+        the graph never runs backward (autograd gives the unpacked tensor its grad_fn again)."""
+        return t.detach() if self.outer_pack is None else self.outer_pack(t)
+
+    def unpack_outer(self, packed: Any) -> torch.Tensor:
+        """What :meth:`pass_on` stored (or the hooks beneath packed), unpacked."""
+        return packed if self.outer_unpack is None else self.outer_unpack(packed)
+
+
+class _Scope(HooksOver):
+    """The pack and unpack hooks of one scope, over the hooks in force when it began (or none).
+
+    It closes itself at the first save of another tensor once each tag made for it has been substituted
+    (:attr:`pending` empty: the consumer saved it), so that the rest of the block's saves cost no Python
+    call; else at its block's end."""
+
+    def __init__(self, outer: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
+        super().__init__(outer)
+        #: ids of the tagged tensors made for this scope and not yet saved
+        self.pending: set[int] = set()
+
     def pack(self, t: torch.Tensor) -> Any:
         base = t if t._base is None else t._base
         tag = _TAGS.get(id(base))
@@ -233,9 +268,7 @@ class _Scope:
                 or tag.source._version != tag.source_version):  # either edited since: saved as it is
             if not self.pending:
                 self._close_after_consumer()
-            # detached: a saved output handed back as it is would hold its own grad_fn, a cycle through C++
-            # that no collection frees where the graph never runs backward; autograd restores the grad_fn
-            return t.detach() if self.outer_pack is None else self.outer_pack(t)
+            return self.pass_on(t)
         source = tag.source
         if self.outer_pack is not None and not (t.is_contiguous() and source.is_contiguous()):
             # Hooks in force before may store a tensor in another layout (save_on_cpu stores it contiguous)
@@ -258,8 +291,8 @@ class _Scope:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Stored) or packed.scope is not self:
-            return packed if self.outer_unpack is None else self.outer_unpack(packed)
-        source: torch.Tensor = packed.packed if self.outer_unpack is None else self.outer_unpack(packed.packed)
+            return self.unpack_outer(packed)
+        source: torch.Tensor = self.unpack_outer(packed.packed)
         if source is packed.source() and source._version != packed.version:
             raise SubstituteSourceEdited(
                 f"{packed.what} ({tuple(source.shape)}, {source.dtype}) was edited in place after the forward "
@@ -290,14 +323,13 @@ def _top_pack() -> Any:
 def _new_scope() -> _Scope | None:
     """Hooks over those in force, entered; None where none can be (compiling, no grad, hooks disabled or
     unknown on this torch) or where a scope is in force already (it substitutes every tag)."""
-    if (not available() or torch.compiler.is_compiling() or not torch_private.saved_tensors_hooks_are_enabled()
-            or not torch.is_grad_enabled()):
+    if not can_open():
         return None
     outer = torch_private.top_saved_tensors_hooks(False)
     if outer is not None and isinstance(getattr(outer[0], "__self__", None), _Scope):
         return None
     scope = _Scope(outer)
-    scope.context.__enter__()
+    scope.enter()
     return scope
 
 

@@ -23,8 +23,8 @@ from amp_backends.memory import (UpProjectionEdited, fused_activations, memory_l
                                  recompute_activation_outputs, substitutes)
 from mlp_blocks import MlpBlocks
 from sim_marks import needs_sim_device
-from test_substitutes import (_ON_A_GPU_LIKE_DEVICE, MODELS, TOKENS, _assert_bitwise, _build, _loss, _saved_bytes,
-                              _step)
+from test_substitutes import (_ON_A_GPU_LIKE_DEVICE, MODELS, TOKENS, _assert_bitwise, _build, _lean_steps, _loss,
+                              _saved_bytes, _step)
 
 #: whether this torch can tell which saved-tensor hooks are in force (2.4 cannot: the lever does nothing)
 ACTIVE = torch_private.top_saved_tensors_hooks is not None
@@ -163,14 +163,7 @@ def test_through_memory_lean_with_masters_off_by_default_and_removed() -> None:
         lean = memory_lean(model, torch.optim.AdamW(model.parameters(), lr=1e-2), weights=torch.bfloat16,
                            activation_inputs=on)
         assert ("2 activations' inputs recomputed" in repr(lean)) == (on and ACTIVE), repr(lean)
-        losses = []
-        for _ in range(2):
-            lean.optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = _loss(model, "bert", x)
-            loss.backward()
-            lean.optimizer.step()
-            losses.append(loss.detach())
+        losses = _lean_steps(lean, model, "bert", x, 2)
         runs.append((torch.stack(losses), {k: v.clone() for k, v in lean.state_dict().items()}))
         lean.remove()
         assert not [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]

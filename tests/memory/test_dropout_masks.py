@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from amp_backends import torch_private
-from amp_backends.memory import Ledger, memory_lean, pack_dropout_masks
+from amp_backends.memory import memory_lean, pack_dropout_masks
 from amp_backends.memory import dropout_masks
 from amp_backends.memory.dropout_masks import pack_bits, unpack_bits
-from test_substitutes import TOKENS, _assert_bitwise, _build, _loss, _step
+from test_substitutes import TOKENS, _assert_bitwise, _build, _counted, _lean_steps, _loss, _step
 
 #: whether this torch can tell which saved-tensor hooks are in force (2.4 cannot: the lever does nothing)
 ACTIVE = torch_private.top_saved_tensors_hooks is not None
@@ -99,23 +99,8 @@ def _saved(model: nn.Module, name: str, x: torch.Tensor) -> tuple[int, int, int]
     """After a bf16 forward: the ledger's activations, and every storage live (nothing else is kept alive);
     and, in a second forward, the bytes of the distinct storages a saved-tensor hook of our own (in force
     beneath the lever's) is handed."""
-    ledger = Ledger()
-    ledger.register([x], params=model.parameters())
-    with ledger:
-        with ledger.phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = _loss(model, name, x)
-        ledger.restart_peak()
-        report = ledger.report(params=model.parameters())
-    del loss
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        _loss(model, name, x)
-    return report.parts["activations"], report.peak, sum(seen.values())
+    report, handed = _counted(model, name, x)
+    return report.parts["activations"], report.peak, handed
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -238,15 +223,10 @@ def test_through_memory_lean_two_steps_are_bitwise_and_remove_leaves_no_hooks() 
         lean = memory_lean(model, torch.optim.AdamW(model.parameters(), lr=1e-3), weights=torch.bfloat16,
                            dropout_masks=masks)
         assert ("dropouts' masks as bits" in repr(lean)) is (masks and ACTIVE)
-        for _ in range(2):
-            lean.optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = _loss(model, "bert", x)
-            loss.backward()
-            lean.optimizer.step()
+        loss = _lean_steps(lean, model, "bert", x, 2)[-1]
         lean.remove()
         assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules() if isinstance(m, nn.Dropout))
-        return loss.detach(), dict(model.named_parameters())
+        return loss, dict(model.named_parameters())
 
     _assert_bitwise(train(False), train(True))
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from amp_backends import PerformanceWarning, torch_private
-from amp_backends.memory import (fused_activations, hooks_around, memory_lean, recompute_activation_outputs, share_casts,
+from amp_backends.memory import (Lean, fused_activations, hooks_around, memory_lean, recompute_activation_outputs, share_casts,
                                  substitutes)
 from amp_backends.memory.activation_outputs import RecomputedInputEdited, pure_function
-from amp_backends.memory.ledger import Ledger
+from amp_backends.memory.ledger import Ledger, MemoryReport
 from sim_marks import needs_sim_device
 
 
@@ -82,6 +82,20 @@ def _step(model: nn.Module, name: str, dtype: torch.dtype | None, x: torch.Tenso
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _lean_steps(lean: Lean, model: nn.Module, name: str, x: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """``steps`` bf16-autocast training steps of ``model`` through ``lean.optimizer`` (a memory_lean
+    handle's): each step's loss, detached."""
+    losses = []
+    for _ in range(steps):
+        lean.optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model, name, x)
+        loss.backward()
+        lean.optimizer.step()
+        losses.append(loss.detach())
+    return losses
+
+
 def _assert_bitwise(a: tuple[torch.Tensor, dict[str, torch.Tensor]],
                     b: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
     assert torch.equal(a[0], b[0]), (a[0], b[0])
@@ -110,6 +124,14 @@ def test_gradients_are_bitwise_those_without_the_lever(name: str, dtype: torch.d
 def _saved_bytes(model: nn.Module, name: str, x: torch.Tensor) -> tuple[int, int]:
     """After a bf16 forward: the ledger's bf16 activations; and, in a second forward, the bytes of the
     distinct storages a saved-tensor hook of our own is handed (the hooks in force beneath the lever's)."""
+    report, handed = _counted(model, name, x)
+    return report.activations_by_dtype.get("bfloat16", 0), handed
+
+
+def _counted(model: nn.Module, name: str, x: torch.Tensor) -> tuple[MemoryReport, int]:
+    """After a bf16 forward: the ledger's report of what is live (activations, every storage); and, in a
+    second forward, the bytes of the distinct storages a saved-tensor hook of our own is handed (the hooks
+    in force beneath the lever's)."""
     ledger = Ledger()
     ledger.register([x], params=model.parameters())
     with ledger:
@@ -127,7 +149,7 @@ def _saved_bytes(model: nn.Module, name: str, x: torch.Tensor) -> tuple[int, int
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
         _loss(model, name, x)
-    return report.activations_by_dtype.get("bfloat16", 0), sum(seen.values())
+    return report, sum(seen.values())
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
