@@ -100,6 +100,8 @@ is_traceable_wrapper_subclass = _entry("torch.utils._python_dispatch.is_traceabl
                                        "none: the inf/NaN watch needs it to see into DTensor and fp8 wrappers")
 DisableTorchDispatch = _entry("torch._C._DisableTorchDispatch",
                               "none: the watches' own arithmetic would be counted as the model's")
+DisableTorchFunction = _entry("torch._C.DisableTorchFunction",
+                              "none: a probe of autocast would be seen by the function modes around it")
 DisableTorchFunctionSubclass = _entry("torch._C.DisableTorchFunctionSubclass",
                                       "torch.Tensor.__torch_function__ handled by hand (not done: every supported torch has it)")
 make_wrapper_subclass = _entry("torch.Tensor._make_wrapper_subclass",
@@ -116,6 +118,8 @@ top_saved_tensors_hooks = _entry(
     "none (torch 2.4 has none): activations' outputs are saved as before, not recomputed (which saved-tensor "
     "hooks are in force, a checkpoint's or the ledger's, cannot be told, so none are put over them)",
     checked_on=AFTER_2_4)
+functorch_transforms_active = _entry("torch._C._are_functorch_transforms_active",
+                                    "none: the shared casts hand each layer its own cast (nothing shared)")
 saved_tensors_hooks_are_enabled = _entry("torch._C._autograd._saved_tensors_hooks_is_enabled",
                                          "none: activations' outputs are not recomputed where this is missing")
 OpOverload = _entry("torch._ops.OpOverload", "none: selective recompute takes ops as OpOverloads (torch.ops.aten.x.default)")

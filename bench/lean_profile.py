@@ -3,6 +3,7 @@
     python bench/lean_profile.py                          # hf-bert and hf-gpt2 at full size on the GPU
     python bench/lean_profile.py --models hf-bert --modes amp-bfloat16,lean-bf16 --top 20
     python bench/lean_profile.py --levers --models hf-bert   # each lever of memory_lean alone, timed
+    python bench/lean_profile.py --host                   # the hooked levers' host cost where Python bounds the step
     python bench/lean_profile.py --smoke                  # mlp, small, on a CPU
 
 For each model and mode: the step's time (median of the profiled steps, device events where the device
@@ -11,6 +12,13 @@ kernels' own times: well under the step's time, the step waits on the host), the
 device (else host) time and those that take the most host time of their own, so a lean lever or a
 scaler that costs more than it should shows which op it is (``AMP_BACKENDS_KERNEL=torch`` runs the
 scaler's gradient op on torch's kernel, for comparison).
+
+``--host``: the levers that run Python hooks (``activation_outputs``, ``shared_casts``, ``dropout_masks``),
+each alone and the two defaults together, on Transformers' BERT structure at width 16 (12 layers, 2 x 8
+tokens, bf16 autocast, float32 weights, one thread on a CPU): a step Python bounds, the worst case for
+them. Forward and backward timed apart, every variant interleaved in each round; the sum of the two
+medians per step, its excess over the run without them, and the Python calls a step (frames entered
+and builtins called, counted by the interpreter's profiler: the same on any machine).
 """
 
 from __future__ import annotations
@@ -98,6 +106,85 @@ LEVERS: dict[str, dict[str, Any]] = {
 }
 
 
+#: memory_lean's hooked levers for ``--host``: each alone, and the two that are on by default together
+HOST_LEVERS: dict[str, dict[str, bool]] = {
+    "none": {}, "activation_outputs": {"activation_outputs": True}, "shared_casts": {"shared_casts": True},
+    "dropout_masks": {"dropout_masks": True}, "defaults": {"activation_outputs": True, "shared_casts": True},
+}
+
+
+def _python_calls(fn: Any) -> int:
+    """Python frames entered and builtins called by ``fn()``, counted with the collector off."""
+    import gc
+
+    count = [0]
+
+    def tally(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    gc.collect()
+    gc.disable()
+    sys.setprofile(tally)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    return count[0]
+
+
+def host(steps: int) -> dict[str, dict[str, float]]:
+    """The hooked levers' host cost (see the module docstring): per variant, the forward's and the
+    backward's median ms, their sum's excess over ``none``, and the Python calls a step."""
+    import transformers
+
+    from amp_backends.memory.lean import memory_lean
+
+    be = get()
+    if be.device_type == "cpu":
+        torch.set_num_threads(1)
+    device = be.device()
+    config = transformers.BertConfig(num_hidden_layers=12, hidden_size=16, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=64, max_position_embeddings=32)
+    x, y = torch.randint(0, 64, (2, 8), device=device), torch.tensor([0, 1], device=device)
+    runs = {}
+    for name, on in HOST_LEVERS.items():
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(config).to(device).train()
+        if on:
+            memory_lean(model, None, backend=be, **{**_OFF, **on})
+        runs[name] = model
+
+    def forward(model: Any) -> Any:
+        with be.autocast(torch.bfloat16):
+            return model(x, labels=y).loss
+
+    fwd: dict[str, list[float]] = {k: [] for k in runs}
+    bwd: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(steps + 5):
+        for name, model in runs.items():
+            be.synchronize()
+            start = time.perf_counter()
+            loss = forward(model)
+            be.synchronize()
+            middle = time.perf_counter()
+            loss.backward()
+            be.synchronize()
+            if i >= 5:
+                fwd[name].append((middle - start) * 1e3)
+                bwd[name].append((time.perf_counter() - middle) * 1e3)
+    out = {}
+    for name, model in runs.items():
+        calls = _python_calls(lambda model=model: forward(model).backward())
+        out[name] = {"forward_ms": statistics.median(fwd[name]), "backward_ms": statistics.median(bwd[name]),
+                     "python_calls": calls}
+        out[name]["step_ms"] = out[name]["forward_ms"] + out[name]["backward_ms"]
+    for row in out.values():
+        row["excess_ms"] = row["step_ms"] - out["none"]["step_ms"]
+    return out
+
+
 def levers(name: str, size: str, steps: int) -> dict[str, float]:
     """The bf16 step of bench model ``name`` with each lever of memory_lean alone (and all of them),
     each in a model and optimizer of its own, interleaved over ``steps`` rounds: median ms per step."""
@@ -147,8 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--levers", action="store_true", help="each lever alone, timed (no profiler)")
+    parser.add_argument("--host", action="store_true", help="the hooked levers' host cost (BERT at width 16)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.host:
+        rows = host(5 if args.smoke else max(args.steps, 50))
+        none = rows["none"]
+        for name, row in rows.items():
+            print(f"{name:20s} step {row['step_ms']:6.2f} ms (forward {row['forward_ms']:.2f}, backward "
+                  f"{row['backward_ms']:.2f}), {row['excess_ms']:+.2f} ms, {row['python_calls']} Python calls "
+                  f"({row['python_calls'] - none['python_calls']:+d})")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     models = ["mlp"] if args.smoke else args.models.split(",")
     size = "small" if args.smoke or get().device_type == "cpu" else "full"
     out: list[dict[str, Any]] = []

@@ -23,7 +23,8 @@ Each lever is on its own switch and usable alone:
   ops a dropout to pack and unpack);
 - ``shared_casts`` (default on): where autocast casts one float32 activation for several sibling
   linears (BERT's query, key and value on a GPU), one low-precision copy is kept for backward instead of
-  one per linear (:mod:`.shared_casts`; the same casts and matmuls, bitwise the same gradients);
+  one per linear, the later linears handed views of the first copy (:mod:`.shared_casts`; the same
+  matmuls, fewer casts, bitwise the same gradients);
 - ``saves`` (default on): norms and softmax that autocast runs in float32 keep a low-precision input
   for backward (exact; :mod:`.saves`);
 - ``lm_head``: the LM head's logits are never made whole; cross-entropy over them runs a block of rows

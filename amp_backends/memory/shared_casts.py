@@ -9,19 +9,26 @@ projections read its norms' outputs the same way (three copies a layer more than
 
 :func:`share_casts` puts a forward pre-hook on each ``nn.Linear`` that has a sibling ``nn.Linear`` (the
 projections that may read one input): where the device's autocast would cast the float32 input to its
-dtype (asked of the device once: :func:`autocast_casts_linear`), the hook makes that cast itself,
-``x.to(dtype)`` as autocast does, differentiable, each layer its own (so each layer's gradient reaches
-``x`` in float32 and the sum is formed there, as under autocast); each copy after the first of the same
-``x`` (unchanged since) is then saved as the first, bitwise equal, by the layer it is cast for
-(:mod:`.substitutes`). The forward computes what it computed (the same casts, the same matmuls) and the
-gradients are bitwise those without the lever. Where the input is already low precision (a bf16
-residual stream, the CPU's LayerNorm under autocast) nothing is cast and nothing changes; nor inside a
-reentrant checkpoint's recomputation (Transformers' ``use_reentrant=True``), which runs in the backward
-after a forward without grad: there autocast casts as without the lever (its three gradients were summed
-in another order: 1e-6 apart on a small BERT). Nor for a leaf that requires grad (learned queries), whose
-cast autocast caches itself, nor on a linear with hooks of its user (:func:`.substitutes.others_hooked`)
-or a forward of another's set on it (accelerate's hooks): they see its float32 input and gradient, as
-without the lever, and the lever says it stood aside (:func:`.substitutes.stand_aside`).
+dtype (asked of the device once: :func:`autocast_casts_linear`), the first linear to read it is handed
+``x.to(dtype)``, as autocast would cast it, and each later one (the same ``x``, unchanged since, and its
+copy unchanged) a view of that copy through an autograd node of its own whose backward is the cast's
+(the gradient cast to float32): so each layer's gradient reaches ``x`` in float32 and the sum is formed
+there, as under autocast, while every layer saves the one copy. The forward computes what it computed
+(the same values, the same matmuls, fewer casts) and the gradients are bitwise those without the lever.
+The views share the copy's version counter: the copy edited in place after a layer saved it is refused at
+the backward, as autograd refuses any edited saved tensor. Python runs once per linear in the forward
+(the hook) and once per shared view in the backward (its node); no saved-tensor hook is involved, so the
+lever works on every supported torch and composes with any hooks in force (a checkpoint, ``save_on_cpu``,
+the memory ledger): they are handed the view, which shares the copy's storage.
+
+Where the input is already low precision (a bf16 residual stream, the CPU's LayerNorm under autocast)
+nothing is cast and nothing changes; nor inside a reentrant or non-reentrant checkpoint's recomputation,
+which runs in the backward: there autocast casts as without the lever. Nor for a leaf that requires
+grad (learned queries), whose cast autocast caches itself, nor on a linear with hooks of its user
+(:func:`.substitutes.others_hooked`) or a forward of another's set on it (accelerate's hooks): they see
+its float32 input and gradient, as without the lever, and the lever says it stood aside
+(:func:`.substitutes.stand_aside`). Nothing is shared under ``torch.compile`` (the compiler decides what
+to save) nor inside ``torch.func``'s transforms (each layer is handed its own cast there).
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdRef
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdRef
 
-from ..torch_private import DisableTorchDispatch, current_graph_task_id
+from .. import torch_private
+from ..torch_private import DisableTorchDispatch, DisableTorchFunction, current_graph_task_id
 from . import substitutes
 
 __all__ = ["SharedCasts", "autocast_casts_linear", "autocast_copy_dtype", "share_casts"]
@@ -43,22 +51,36 @@ __all__ = ["SharedCasts", "autocast_casts_linear", "autocast_copy_dtype", "share
 @functools.lru_cache(maxsize=None)
 def autocast_casts_linear(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``device_type``'s autocast in ``dtype`` runs ``F.linear`` of float32 tensors in ``dtype``
-    (asked of torch on a small tensor, unseen by the dispatch modes around the call; never under
-    ``torch.compile``: the hook that asks returns first there)."""
-    with DisableTorchDispatch():
+    (asked of torch on a small tensor, unseen by the function and dispatch modes around the call; never
+    under ``torch.compile``: the hook that asks returns first there)."""
+    with DisableTorchFunction(), DisableTorchDispatch():
         x = torch.ones(2, 4, device=device_type)
         with torch.autocast(device_type, dtype=dtype):
             return F.linear(x, torch.ones(3, 4, device=device_type)).dtype == dtype
 
 
-class _First:
-    """The first copy made of an activation, weakly, with the activation's version and the copy's dtype."""
+class _Shared(torch.autograd.Function):
+    """``copy`` (``x`` cast to a low precision) as a view, differentiable in ``x`` as the cast is: the
+    backward casts the gradient to ``x``'s float32, as the cast's own backward does."""
 
-    __slots__ = ("copy", "dtype", "version", "x")
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(torch.float32), None
+
+
+class _First:
+    """The first copy made of an activation, weakly, with the activation's version and the copy's dtype
+    and version."""
+
+    __slots__ = ("copy", "copy_version", "dtype", "version", "x")
 
     def __init__(self, x: torch.Tensor, copy: torch.Tensor) -> None:
         self.x = WeakIdRef(x, functools.partial(_forget, id(x)))
-        self.copy, self.version, self.dtype = WeakIdRef(copy), x._version, copy.dtype
+        self.copy, self.version, self.dtype, self.copy_version = WeakIdRef(copy), x._version, copy.dtype, copy._version
 
 
 #: id of a live float32 activation -> its first copy
@@ -71,8 +93,9 @@ def _forget(key: int, _ref: Any) -> None:
 
 def autocast_copy_dtype(x: Any) -> torch.dtype | None:
     """The dtype autocast would cast ``x``, a linear's input, to (None where it would not, or nothing
-    is saved, or the forward is compiled, or it is a reentrant checkpoint's recomputation inside the
-    backward, whose forward ran without grad: autocast casts there as it does without a lever)."""
+    is saved, or the forward is compiled, or it is a checkpoint's recomputation inside the backward,
+    whose forward ran without grad or without the lever's view: autocast casts there as it does without
+    a lever)."""
     if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
             or (current_graph_task_id is not None and current_graph_task_id() != -1)):
         return None
@@ -89,9 +112,17 @@ def autocast_copy_dtype(x: Any) -> torch.dtype | None:
     return dtype
 
 
+def _sharing() -> bool:
+    """Whether a view through :class:`_Shared` may be handed on here: not inside ``torch.func``'s
+    transforms (``vmap``, ``grad``: an autograd function needs rules of its own there), nor on a torch
+    that cannot tell."""
+    active = torch_private.functorch_transforms_active
+    return active is not None and not active()
+
+
 def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """Forward pre-hook of a linear: cast its float32 input as autocast would, each copy after the first
-    of the same input saved as the first."""
+    """Forward pre-hook of a linear: cast its float32 input as autocast would, or hand it the first
+    linear's copy of the same unchanged input, through a node of its own."""
     x = args[0] if args else None
     dtype = autocast_copy_dtype(x)
     if dtype is None:
@@ -99,20 +130,24 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     assert isinstance(x, torch.Tensor)
     if substitutes.leaves_alone(module, _cast, "shared_casts"):  # a forward set on it (a policy's float32 one,
         return None  # accelerate's) or others' hooks see its input and its gradient in float32, as without the lever
-    copy = x.to(dtype)
     first = _FIRST.get(id(x))
-    earlier = first.copy() if first is not None and first.x() is x else None
-    if earlier is not None and first is not None and first.version == x._version and first.dtype == dtype:
-        substitutes.substitute(copy, earlier, None, "autocast's first copy of an activation")
-        substitutes.open_scope_in(module, copy)  # until this layer saves the copy
-    else:
-        _FIRST[id(x)] = _First(x, copy)
+    if first is not None and first.x() is x and first.version == x._version and first.dtype == dtype:
+        earlier = first.copy()
+        if earlier is not None and earlier._version == first.copy_version and _sharing():
+            return (_Shared.apply(x, earlier), *args[1:])
+    copy = x.to(dtype)
+    _FIRST[id(x)] = _First(x, copy)
     return (copy, *args[1:])
 
 
 class SharedCasts(substitutes.Hooked):
     """What :func:`share_casts` turned on (:attr:`modules`: the linears whose inputs are cast by the hook,
-    each copy after the first saved as the first); :meth:`remove` turns it off."""
+    each copy after the first handed on as a view of the first); :meth:`remove` turns it off."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the lever does anything (any linear with a sibling; it needs nothing of this torch)."""
+        return bool(self.modules)
 
     def __repr__(self) -> str:
         return f"SharedCasts({len(self.modules)} linears)"
@@ -127,4 +162,4 @@ def share_casts(model: nn.Module) -> SharedCasts:
         if len(children) >= 2:
             linears.update((id(c), c) for c in children)
     handles = [linear.register_forward_pre_hook(_cast) for linear in linears.values()]
-    return SharedCasts(list(linears.values()), handles + substitutes.closing(linears.values()))
+    return SharedCasts(list(linears.values()), handles)

@@ -1,10 +1,10 @@
 """Saved tensors substituted: what an op saves for backward stored as another tensor it is made from.
 
 A lever tags a tensor with its *source* and how to remake it (:func:`substitute`): an activation's
-output with the activation's input and its function (:mod:`.activation_outputs`), a second copy autocast
-makes of one activation with the first copy (:mod:`.shared_casts`). From the tagging until the tagged
-tensor is saved, at the latest to the end of the forward of the module it happened in (:func:`open_scope`
-inside an owner block, :func:`open_scope_in` a layer), a ``saved_tensors_hooks`` pair stores, in place
+output with the activation's input and its function (:mod:`.activation_outputs`), an up-projection's
+output with its input and the layer's op (:mod:`.activation_inputs`). From the tagging until the tagged
+tensor is saved, at the latest to the end of the forward of the owner block it happened in
+(:func:`open_scope`), a ``saved_tensors_hooks`` pair stores, in place
 of a tagged tensor or a view of it that an op saves, its source, and remakes the tensor from it when the backward asks (the remaking runs with
 autocast off, so it is the same kernel on the same input: bitwise what was saved). The hooks see only
 the saves from a tag to its consumer's, and the one save after: each costs a Python call at the forward
@@ -41,7 +41,7 @@ from ..errors import AmpBackendsError
 from .hooks_around import _ASIDE, foreign_forward, leaves_alone, others_hooked, stand_aside
 
 __all__ = ["Hooked", "HooksOver", "SubstituteSourceEdited", "available", "can_open", "closing", "foreign_forward",
-           "leaves_alone", "open_scope", "open_scope_in", "others_hooked", "outermost", "owner_name", "owners", "stand_aside", "substitute", "tagged"]
+           "leaves_alone", "open_scope", "others_hooked", "outermost", "owner_name", "owners", "stand_aside", "substitute", "tagged"]
 
 
 class SubstituteSourceEdited(AmpBackendsError, RuntimeError):
@@ -59,7 +59,7 @@ class _Remade:
 
     __slots__ = ("inner", "make", "value", "waiting")
 
-    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor] | None, inner: _Remade | None = None) -> None:
+    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor], inner: _Remade | None = None) -> None:
         self.make, self.inner = make, inner
         self.value: torch.Tensor | None = None
         #: uses expected and not yet made: a save packed through it, or a remaking chained on it (which,
@@ -75,7 +75,7 @@ class _Remade:
     def __call__(self, source: torch.Tensor) -> torch.Tensor:
         value = self.value
         if value is None:
-            value = source if self.make is None else self.make(source)
+            value = self.make(source)
         self.waiting -= 1
         self.value = value if self.waiting > 0 else None
         return value
@@ -87,8 +87,7 @@ class _Chain:
 
     __slots__ = ("first", "geometry", "make")
 
-    def __init__(self, first: _Remade, make: Callable[[torch.Tensor], torch.Tensor] | None,
-                 view: torch.Tensor) -> None:
+    def __init__(self, first: _Remade, make: Callable[[torch.Tensor], torch.Tensor], view: torch.Tensor) -> None:
         self.first, self.make = first, make
         base = view._base
         self.geometry = None if base is None else (
@@ -99,16 +98,16 @@ class _Chain:
         if self.geometry is not None:
             size, stride, offset = self.geometry
             value = value.as_strided(size, stride, value.storage_offset() + offset)
-        return value if self.make is None else self.make(value)
+        return self.make(value)
 
 
 class _Tag:
     """A tagged tensor's source, how it is remade (through its shared remaking), and its version at the tagging."""
 
-    __slots__ = ("make", "remade", "source", "source_version", "tensor", "version", "what")
+    __slots__ = ("remade", "source", "source_version", "tensor", "version", "what")
 
-    def __init__(self, tensor: torch.Tensor, source: torch.Tensor,
-                 make: Callable[[torch.Tensor], torch.Tensor] | None, what: str) -> None:
+    def __init__(self, tensor: torch.Tensor, source: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor],
+                 what: str) -> None:
         self.tensor = WeakIdRef(tensor, functools.partial(_forget, id(tensor)))
         self.version, self.what = tensor._version, what
         self.remade: _Remade
@@ -121,7 +120,6 @@ class _Tag:
         else:
             self.remade = _Remade(make)
             self.source = source
-        self.make = None if self.remade.make is None else self.remade
         self.source_version = self.source._version
 
     def live(self, tensor: torch.Tensor) -> bool:
@@ -137,10 +135,10 @@ def _forget(key: int, _ref: Any) -> None:
     _TAGS.pop(key, None)
 
 
-def substitute(tensor: torch.Tensor, source: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor] | None,
+def substitute(tensor: torch.Tensor, source: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor],
                what: str) -> None:
-    """Let ``tensor`` (not a view) be saved as ``source`` and remade by ``make(source)`` (None: ``source``
-    itself, which must then equal it bitwise) while a scope runs; ``what`` names the source in errors.
+    """Let ``tensor`` (not a view) be saved as ``source`` and remade by ``make(source)`` while a scope
+    runs; ``what`` names the source in errors.
     The tag holds ``source`` as long as ``tensor`` lives, and ends if either is edited in place. Where
     ``source`` is itself tagged (the output of a layer whose input remakes it), ``tensor`` is saved as that
     tag's source and remade through both, the inner remaking shared with the source's own saves (one
@@ -163,7 +161,7 @@ class _Stored:
                  "version", "what")
 
     def __init__(self, scope: _Scope, packed: Any, tag: _Tag, view: torch.Tensor, base: torch.Tensor) -> None:
-        self.scope, self.packed, self.make, self.what = scope, packed, tag.make, tag.what
+        self.scope, self.packed, self.make, self.what = scope, packed, tag.remade, tag.what
         self.source, self.version = WeakIdRef(tag.source), tag.source._version
         self.source_layout = (tag.source.size(), tag.source.stride())
         self.size, self.stride = view.size(), view.stride()
@@ -176,9 +174,7 @@ class _Stored:
         so that the remaking runs the same kernel on the same layout (bitwise what was saved, and in the
         tagged tensor's layout, which the view's strides are of)."""
         source = _laid_out(source, self.source_layout)
-        if self.make is None:
-            value = source
-        elif torch.is_autocast_enabled(source.device.type):  # a backward run inside autocast: not for this
+        if torch.is_autocast_enabled(source.device.type):  # a backward run inside autocast: not for this
             with torch.autocast(source.device.type, enabled=False):
                 value = self.make(source)
         else:
@@ -276,8 +272,7 @@ class _Scope(HooksOver):
             # it is, so that its backward is the one it would have had (a remade copy would keep its strides).
             return self.outer_pack(t)
         stored = _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t, base)
-        if tag.make is not None:  # (a source saved as it is is never remade: nothing to count)
-            tag.remade.expect()
+        tag.remade.expect()
         self.pending.discard(id(base))
         return stored
 
@@ -306,7 +301,7 @@ _LOCAL = threading.local()
 
 
 def _scopes() -> list[tuple[int, _Scope | None, Any]]:
-    """This thread's running owners and layers: a module's id, the scope opened inside it (or None yet),
+    """This thread's running owners: a module's id, the scope opened inside it (or None yet),
     and the saved-tensor pack hook in force when it began."""
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
@@ -377,18 +372,8 @@ def open_scope(tagged: torch.Tensor) -> None:
     scope.pending.add(id(tagged))
 
 
-def open_scope_in(module: nn.Module, tagged: torch.Tensor) -> None:
-    """From a forward pre-hook of ``module`` (one :func:`closing` closes): substitute tagged tensors
-    until ``tagged`` (its input, just tagged) is saved, at the latest until its forward ends."""
-    _unwind(id(module))  # its entry still there: its last forward was interrupted
-    scope = _new_scope()
-    if scope is not None:
-        scope.pending.add(id(tagged))
-        _scopes().append((id(module), scope, None))
-
-
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook of an owner or a layer (also run when the forward raised): close what it opened."""
+    """Forward hook of an owner (also run when the forward raised): close what it opened."""
     if torch.compiler.is_compiling():
         return
     stack = _scopes()

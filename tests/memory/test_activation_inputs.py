@@ -372,10 +372,9 @@ def test_weights_that_are_not_the_layers_parameters_are_left_alone() -> None:
 
 @pytest.mark.skipif(not ACTIVE, reason="this torch cannot tell which saved-tensor hooks are in force: nothing is substituted")
 def test_with_shared_casts_where_the_up_projection_reads_the_second_copy() -> None:
-    """``down(act(up(x)) * gate(x))``, ``gate`` first, a float32 input under bf16 autocast: ``up``'s copy of
-    ``x`` is saved as ``gate``'s (shared casts), and ``up``'s output is remade from that. Gradients bitwise
-    those without the levers; no remaking holds a tensor after the backward (a copy saved as it is is never
-    remade, so it counts nothing)."""
+    """``down(act(up(x)) * gate(x))``, ``gate`` first, a float32 input under bf16 autocast: ``up`` is handed
+    a view of ``gate``'s copy of ``x`` (shared casts), and ``up``'s output is remade from that view.
+    Gradients bitwise those without the levers; no remaking holds a tensor after the backward."""
     from amp_backends.memory import share_casts
 
     class GatedMlp(nn.Module):
