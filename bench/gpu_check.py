@@ -24,7 +24,10 @@ own try/except (a part that fails is recorded with its error; the others still r
    step's device time, host syncs (CUDA's sync debug mode), garbage collections and the ops dispatched,
    so that an intermittent cost of the adapter shows which step it hit and what ran there;
 7. ``optimizer``: bench/sr_step.py, the stochastic-rounding step (``StochasticAdamW``, torchao's
-   ``_AdamW`` with and without ``compile_once``) against AdamW on float32 masters, on BERT-base's shapes.
+   ``_AdamW`` with and without ``compile_once``) against AdamW on float32 masters, on BERT-base's shapes;
+8. ``levers``: bench/lean_profile.py, the hooked levers' host cost where Python and launches bound the
+   step (``--host``: BERT's structure at width 16 on the GPU, each lever alone, with its Python calls)
+   and each lever of ``memory_lean`` alone on Transformers' BERT-base at full size (``--levers``).
 
 It writes one JSON (``--json``; default ``$OUT/gpu_check.json`` where ``OUT`` is set, else
 ``gpu_check.json``) after every part, so a run cut short keeps what it finished, and prints a short
@@ -63,7 +66,7 @@ for _path in (ROOT / "plugins", ROOT):  # the checkout's code, installed or not
 #: part -> seconds it may take (full run, smoke run); the whole run stays under ``--budget``.
 BUDGETS: dict[str, tuple[float, float]] = {
     "tests": (120, 20), "memory": (70, 8), "bench": (150, 10), "kernels": (35, 3), "fp8": (100, 3), "scaler": (25, 8),
-    "optimizer": (60, 8),
+    "optimizer": (60, 8), "levers": (75, 8),
 }
 #: the whole run's default budget, seconds (a lease's 8 minutes, less the interpreter's start)
 TOTAL_BUDGET = 450.0
@@ -268,6 +271,26 @@ def part_optimizer(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     return json.loads(out[out.index("{"):])
 
 
+def part_levers(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
+    """bench/lean_profile.py's figures: ``--host`` (the hooked levers' host cost, BERT at width 16) and,
+    in a full run with the budget left, ``--levers`` on BERT-base at full size (each in a process of its
+    own; ``--smoke``: the first only, few steps)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "Transformers is not installed (pip install transformers)"}
+    start = time.monotonic()
+    host = Path(ctx["json"]).with_name("lean_host.json")
+    _script("lean_profile.py", ["--host", "--json", str(host), *(["--smoke"] if ctx["smoke"] else [])], budget)
+    result: dict[str, Any] = {"host": json.loads(host.read_text())}
+    left = budget - (time.monotonic() - start)
+    if not ctx["smoke"] and left > 20:
+        alone = Path(ctx["json"]).with_name("lean_levers.json")
+        _script("lean_profile.py", ["--levers", "--models", "hf-bert", "--steps", "8", "--json", str(alone)], left)
+        result["levers"] = json.loads(alone.read_text())
+    return result
+
+
 def part_fp8(ctx: dict[str, Any], budget: float) -> dict[str, Any]:
     """The fp8 rows compiled against bf16 compiled, on the width-4096 Llama-style block."""
     import amp_backends
@@ -421,7 +444,7 @@ def _sync_warnings(cuda: bool) -> Iterator[list[Any]]:
 
 PARTS: dict[str, Callable[[dict[str, Any], float], dict[str, Any]]] = {
     "tests": part_tests, "memory": part_memory, "bench": part_bench, "kernels": part_kernels, "fp8": part_fp8,
-    "scaler": part_scaler, "optimizer": part_optimizer,
+    "scaler": part_scaler, "optimizer": part_optimizer, "levers": part_levers,
 }
 
 
@@ -518,6 +541,14 @@ def _summary(name: str, rec: dict[str, Any]) -> str:
     if name == "optimizer":
         return "; ".join(f"{x['step']} {x['ms']:.2f} ms ({x['vs_foreach_masters']:.2f}x foreach masters)"
                          for x in r["rows"])[:400]
+    if name == "levers":
+        if "skipped" in r:
+            return f"skipped: {r['skipped']}"
+        host = "; ".join(f"{k} {x['excess_ms']:+.2f} ms ({x['python_calls'] - r['host']['none']['python_calls']:+d} calls)"
+                         for k, x in r["host"].items() if k != "none")
+        alone = "; ".join(f"{k} {v / row['levers_ms']['amp']:.2f}x" for row in r.get("levers", [])
+                          for k, v in row["levers_ms"].items() if k != "amp")
+        return (f"host (width 16): {host}" + (f" | full size vs amp: {alone}" if alone else ""))[:400]
     if name == "scaler":
         parts = [f"{m} median {r[m]['median_ms']:.1f} ms max {r[m]['max_ms']:.1f} slow steps {r[m]['slow_steps']} "
                  f"blocks cut {sum(r[m]['triton_cuts_built_per_step'])}"

@@ -327,7 +327,7 @@ def test_gpu_check_smoke_end_to_end_in_under_a_minute(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert time.monotonic() - start < 90, "45 s of parts, and the interpreter's start"
     data = json.loads(out.read_text())
-    assert list(data["parts"]) == ["tests", "memory", "bench", "kernels", "fp8", "scaler", "optimizer"]
+    assert list(data["parts"]) == ["tests", "memory", "bench", "kernels", "fp8", "scaler", "optimizer", "levers"]
     assert all(p["status"] in ("ok", "timeout", "skipped") for p in data["parts"].values()), data["parts"]
     assert data["total_s"] <= data["budget_s"] + 5
     assert "part      status" in proc.stdout and data["header"]["device"] in proc.stdout
