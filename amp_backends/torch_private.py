@@ -120,6 +120,11 @@ top_saved_tensors_hooks = _entry(
     checked_on=AFTER_2_4)
 functorch_transforms_active = _entry("torch._C._are_functorch_transforms_active",
                                     "none: the shared casts hand each layer its own cast (nothing shared)")
+push_saved_tensors_hooks = _entry("torch._C._autograd._push_saved_tensors_default_hooks",
+                                  "torch.autograd.graph.saved_tensors_hooks, whose __enter__ calls it (not taken: "
+                                  "every supported torch has it)")
+pop_saved_tensors_hooks = _entry("torch._C._autograd._pop_saved_tensors_default_hooks",
+                                 "as push_saved_tensors_hooks (its __exit__)")
 saved_tensors_hooks_are_enabled = _entry("torch._C._autograd._saved_tensors_hooks_is_enabled",
                                          "none: activations' outputs are not recomputed where this is missing")
 OpOverload = _entry("torch._ops.OpOverload", "none: selective recompute takes ops as OpOverloads (torch.ops.aten.x.default)")

@@ -27,7 +27,8 @@ own try/except (a part that fails is recorded with its error; the others still r
    ``_AdamW`` with and without ``compile_once``) against AdamW on float32 masters, on BERT-base's shapes;
 8. ``levers``: bench/lean_profile.py, the hooked levers' host cost where Python and launches bound the
    step (``--host``: BERT's structure at width 16 on the GPU, each lever alone, with its Python calls)
-   and each lever of ``memory_lean`` alone on Transformers' BERT-base at full size (``--levers``).
+   and each lever of ``memory_lean`` alone, all of them, and all but each one, on Transformers' BERT-base
+   at full size (``--levers``).
 
 It writes one JSON (``--json``; default ``$OUT/gpu_check.json`` where ``OUT`` is set, else
 ``gpu_check.json``) after every part, so a run cut short keeps what it finished, and prints a short
@@ -548,7 +549,7 @@ def _summary(name: str, rec: dict[str, Any]) -> str:
                          for k, x in r["host"].items() if k != "none")
         alone = "; ".join(f"{k} {v / row['levers_ms']['amp']:.2f}x" for row in r.get("levers", [])
                           for k, v in row["levers_ms"].items() if k != "amp")
-        return (f"host (width 16): {host}" + (f" | full size vs amp: {alone}" if alone else ""))[:400]
+        return (f"host (width 16): {host}" + (f" | full size vs amp: {alone}" if alone else ""))[:900]
     if name == "scaler":
         parts = [f"{m} median {r[m]['median_ms']:.1f} ms max {r[m]['max_ms']:.1f} slow steps {r[m]['slow_steps']} "
                  f"blocks cut {sum(r[m]['triton_cuts_built_per_step'])}"

@@ -207,7 +207,6 @@ class HooksOver:
     def __init__(self, outer: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
         self.outer_pack: Callable[[torch.Tensor], Any] | None = outer[0] if outer is not None else None
         self.outer_unpack: Callable[[Any], torch.Tensor] | None = outer[1] if outer is not None else None
-        self.context: Any = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self.closed = False
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -217,8 +216,9 @@ class HooksOver:
         raise NotImplementedError
 
     def enter(self) -> None:
-        """Put the hooks in force."""
-        self.context.__enter__()
+        """Put the hooks in force (what ``saved_tensors_hooks.__enter__`` does, without its object: torch's
+        stack of hooks holds the bound pair until :meth:`exit`, and nothing else refers back to them)."""
+        torch_private.push_saved_tensors_hooks(self.pack, self.unpack)
 
     def close(self) -> None:
         """Take the hooks out of force where they are the innermost (hooks put in force over them are not
@@ -227,12 +227,11 @@ class HooksOver:
             self.exit()
 
     def exit(self) -> None:
-        """Take the hooks out of force, once, and drop the context (it holds the bound hooks: a cycle that
-        would keep the hooks beneath alive, a checkpoint's frame or the ledger's, until a collection)."""
+        """Take the hooks out of force, once (torch's stack then drops the bound pair: nothing keeps the
+        hooks beneath alive, a checkpoint's frame or the ledger's, until a collection)."""
         if not self.closed:
             self.closed = True
-            self.context.__exit__(None, None, None)
-            self.context = None
+            torch_private.pop_saved_tensors_hooks()
 
     def pass_on(self, t: torch.Tensor) -> Any:
         """A save not stored here, to the hooks beneath; where there are none, detached: a saved output
@@ -347,8 +346,10 @@ def _unwind(key: int | None) -> None:
 def _running(module: nn.Module, args: Any) -> None:
     """Forward pre-hook of an owner: it runs; a scope may be opened inside it (:func:`open_scope`)."""
     if not torch.compiler.is_compiling():
-        _unwind(id(module))  # its entry still there: its last forward was interrupted
-        _scopes().append((id(module), None, _top_pack()))
+        stack = _scopes()
+        if stack:  # (else nothing to unwind: the usual case, an owner running outside any other)
+            _unwind(id(module))  # its entry still there: its last forward was interrupted
+        stack.append((id(module), None, _top_pack()))
 
 
 def open_scope(tagged: torch.Tensor) -> None:

@@ -1183,3 +1183,30 @@ def test_the_host_bench_counts_each_levers_python_calls_and_the_defaults_add_up(
     assert (calls["activation_outputs"] > 0 and calls["dropout_masks"] > 0) or not ACTIVE
     assert calls["defaults"] == calls["activation_outputs"] + calls["shared_casts"], calls
     assert all(row["step_ms"] > 0 and row["step_ms"] == row["forward_ms"] + row["backward_ms"] for row in rows.values())
+
+
+def test_the_lever_bench_times_all_the_levers_with_each_default_one_turned_off() -> None:
+    """``bench/lean_profile.py --levers``: besides each lever alone and ``all`` (``lean-bf16``), a row
+    for ``all`` with each of its levers off, one row per switch of ``memory_lean`` that is on by default
+    (read from its signature, so a new default lever gets its row) and one for the low-precision weights,
+    each differing from ``all`` in that switch alone."""
+    import importlib.util
+    import inspect
+    from pathlib import Path
+
+    from amp_backends.memory.lean import memory_lean
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "lean_profile.py"
+    spec = importlib.util.spec_from_file_location("lean_profile", path)
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    defaults = {name for name, p in inspect.signature(memory_lean).parameters.items()
+                if p.default is True and name != "master"}  # (master: how the weights lever keeps float32)
+    assert defaults == {"saves", "activations", "activation_outputs", "shared_casts"}
+    rows = {name[len("all-no-"):]: kw for name, kw in bench.LEVERS.items() if name.startswith("all-no-")}
+    assert set(rows) == defaults | {"weights"}
+    everything = bench.LEVERS["all"]
+    for lever, kwargs in rows.items():
+        changed = {k for k in everything.keys() | kwargs.keys() if kwargs.get(k, True) != everything.get(k, True)}
+        assert changed == {lever}, (lever, kwargs)
+        assert kwargs[lever] in (False, None)
