@@ -2,11 +2,12 @@
 with ``memory_lean(weights=bfloat16|float16)`` and, beside it, plain torch does the same by hand
 (float32 copies of the parameters, the same optimizer class and implementation, fed the low-precision
 gradients upcast and unscaled in float32; every write the program makes to the model made to the
-copy as its float32 value). Interleaved with the steps: gradient accumulation, an inf in a float16
-gradient, ``scaler.unscale_`` with ``scaler.clip_grad_norm_``, ``model.load_state_dict`` of a float32
-checkpoint, an in-place edit under ``no_grad``, ``nn.init`` on a weight, another optimizer stepping
-one weight, a checkpoint round trip of the optimizer. After every step each master must equal its
-copy bitwise and each parameter the copy rounded.
+copy: each element the write changed as its float32 value, the others left as they were).
+Interleaved with the steps: gradient accumulation, an inf in a float16 gradient, ``scaler.unscale_``
+with ``scaler.clip_grad_norm_``, ``model.load_state_dict`` of a float32 checkpoint, an in-place edit
+under ``no_grad``, ``nn.init`` on a weight, another optimizer stepping one weight, a checkpoint round
+trip of the optimizer. After every step each master must equal its copy bitwise and each parameter the
+copy rounded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ import amp_backends
 from amp_backends.memory.lean import memory_lean
 
 OPS = ("step", "accumulate", "inf", "clip", "load", "clamp", "init", "other", "reload_opt")
+
+
+def follow(copy: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> None:
+    """A write to a low-precision parameter, made to its float32 copy: each element the write changed
+    takes the parameter's new value; one it left as it was keeps the copy's float32 value, as a float32
+    weight keeps its bits under an op that leaves it be."""
+    with torch.no_grad():
+        copy.copy_(torch.where(after == before, copy, after.float()))
 
 
 def make_program(seed: int) -> dict[str, Any]:
@@ -100,16 +109,19 @@ def run(program: dict[str, Any]) -> str | None:
                     for (name, _), r in zip(model.named_parameters(), ref):
                         r.copy_(ckpt[name])
                 elif op == "clamp":
+                    before = params[-2].clone()
                     params[-2].clamp_(-0.1, 0.1)
-                    ref[-2].copy_(params[-2].float())
+                    follow(ref[-2], before, params[-2])
                 elif op == "init":  # as nn.init.normal_ does: in place, under no_grad
+                    before = params[2].clone()
                     params[2].normal_(0.0, 0.5, generator=g)
-                    ref[2].copy_(params[2].float())
+                    follow(ref[2], before, params[2])
             if op == "other":  # another optimizer steps the first weight (in its low precision)
                 params[0].grad = torch.full_like(params[0], 0.01)
+                before = params[0].detach().clone()
                 other.step()
                 with torch.no_grad():
-                    ref[0].copy_(params[0].float())
+                    follow(ref[0], before, params[0])
                 lean.optimizer.zero_grad()
             if op == "reload_opt":
                 lean.optimizer.load_state_dict(_round_trip(lean.optimizer.state_dict()))

@@ -14,6 +14,12 @@ It never computes from stale or edited state:
   ``load_state_dict``, an in-place edit; seen by their version counters and storages) raises: read the
   logits before ``optimizer.step()``;
 - logits made with grad mode off carry no gradient, as plain ones would;
+- their own gradient is never made (the loss is computed from the head's input): a gradient hook or
+  ``retain_grad`` on them, ``torch.autograd.grad`` with respect to them, an autograd Function they pass
+  through (refused at the backward, when its gradient reaches them) or that returns them (a reentrant
+  checkpoint of the head: refused at their use) raises; a full backward hook on the head itself gets
+  plain logits (the lever stands aside there, with a warning);
+- under ``inference_mode`` and inside ``torch.func``'s transforms the head returns plain logits;
 - inside ``torch.compile`` the head returns plain logits (correct, no saving), so a compiled step works;
 - under ``torch.distributed`` with more than one process, with FSDP2's DTensor weights, for a head that
   an fp8 recipe or a precision policy's float32 runs, or that ``quant_stats`` watches, the lever is
@@ -31,11 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import patches
+from .. import patches, torch_private
+from ..eager import eager
 from ..errors import AmpBackendsError
 from ..precision.fp32_forward import Fp32Forward
-from ..torch_private import DisableTorchFunctionSubclass, make_wrapper_subclass, tree_leaves
+from ..torch_private import DisableTorchFunctionSubclass, make_wrapper_subclass, tree_leaves, tree_map
 from .fused_loss import chunk_rows, linear_cross_entropy
+from .hooks_around import backward_hooked, stand_aside
 
 __all__ = ["LazyHeadError", "LazyLogits", "chunk_rows", "head_lever_refusal", "lazy_head", "linear_cross_entropy",
            "undo_lazy_head"]
@@ -50,10 +58,19 @@ class LazyHeadError(AmpBackendsError, RuntimeError):
 _INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul"))
 _WARNED: set[str] = set()
+#: tensor properties that give a tensor (the logits computed whole, then the property): not metadata
+_TENSOR_PROPERTIES = frozenset({"T", "mT", "H", "mH", "data", "real", "imag"})
+#: what would hook the logits' own gradient, which lazy logits never have (the loss is made from the head's input)
+_GRADIENT_HOOKS = frozenset({"register_hook", "retain_grad", "register_post_accumulate_grad_hook"})
+_NO_GRADIENT = ("the loss is computed from the head's input, so the logits' own gradient is never made: a hook or "
+                "retain_grad on them, autograd.grad with respect to them, or an autograd Function they pass through "
+                "(a module's full backward hook, a custom Function, a reentrant checkpoint of the head) would see "
+                "nothing and the head would lose its gradient")
 
 
 def _stamp(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, ...]:
-    """What identifies the state the logits are made of: version counters and storages."""
+    """What identifies the state the logits are made of: version counters and storages (``hidden``: the
+    head's input itself, not a reshaped copy of it, whose counter starts again)."""
     return (hidden._version, weight._version, weight.untyped_storage()._cdata,
             None if bias is None else bias._version, None if bias is None else bias.untyped_storage()._cdata)
 
@@ -68,11 +85,12 @@ class LazyLogits(torch.Tensor):
     _upcast: bool
     _grad_mode: bool
     _stamp: tuple[Any, ...]
+    _source: torch.Tensor
 
     @staticmethod
     def __new__(cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 autocast: tuple[bool, torch.dtype], upcast: bool = False, grad: bool | None = None,
-                stamp: tuple[Any, ...] | None = None) -> LazyLogits:
+                stamp: tuple[Any, ...] | None = None, source: torch.Tensor | None = None) -> LazyLogits:
         enabled, low = autocast
         dtype = torch.float32 if upcast else (low if enabled else hidden.dtype)
         grad = torch.is_grad_enabled() if grad is None else grad
@@ -81,7 +99,11 @@ class LazyLogits(torch.Tensor):
             cls, (*hidden.shape[:-1], weight.shape[0]), dtype=dtype, device=hidden.device, requires_grad=needs)
         self._hidden, self._head, self._autocast, self._upcast = hidden, (weight, bias), autocast, upcast
         self._grad_mode = grad
-        self._stamp = _stamp(hidden, weight, bias) if stamp is None else stamp
+        self._source = hidden if source is None else source  # the head's input (hidden may be a reshaped copy)
+        self._stamp = _stamp(self._source, weight, bias) if stamp is None else stamp
+        if needs:  # a gradient can reach these logits only through what bypasses __torch_function__: refused there
+            with DisableTorchFunctionSubclass():
+                torch.Tensor.register_hook(self, _gradient_reached)
         return self
 
     @classmethod
@@ -91,8 +113,13 @@ class LazyLogits(torch.Tensor):
 
     # -- state ---------------------------------------------------------------------------------
     def _check_fresh(self, use: str) -> None:
+        with DisableTorchFunctionSubclass():
+            through = self.grad_fn is not None
+        if through:  # an autograd Function's output (its grad_fn set on them): the gradient would stop there
+            raise LazyHeadError(f"lazy logits used by {use} after an autograd Function returned them: {_NO_GRADIENT}. "
+                                f"Compute them whole first (logits = logits.materialize()), {_OFF}")
         weight, bias = self._head
-        now = _stamp(self._hidden, weight, bias)
+        now = _stamp(self._source, weight, bias)
         if now == self._stamp:
             if weight.untyped_storage().nbytes() == 0:
                 raise LazyHeadError(f"lazy logits used by {use} after the head's weight was freed (FSDP resharded "
@@ -120,18 +147,32 @@ class LazyLogits(torch.Tensor):
         return out.float() if self._upcast else out
 
     def _like(self, hidden: torch.Tensor | None = None, upcast: bool | None = None) -> LazyLogits:
+        self._check_fresh("a reshape")  # (a reshaped input may be a copy: the state is checked before it is made)
         return LazyLogits(self._hidden if hidden is None else hidden, *self._head, self._autocast,
-                          self._upcast if upcast is None else upcast, self._grad_mode, self._stamp)
+                          self._upcast if upcast is None else upcast, self._grad_mode, self._stamp, self._source)
 
     # -- torch functions -----------------------------------------------------------------------------
     @classmethod
+    @eager  # traced by torch.compile it would return the logits where a loss is asked: run eagerly (a graph break)
     def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
-        if func in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__len__, torch.Tensor.numel) or name == "__get__":
+        prop = getattr(getattr(func, "__self__", None), "__name__", None) if name == "__get__" else None
+        if func in (torch.Tensor.size, torch.Tensor.dim, torch.Tensor.__len__, torch.Tensor.numel) or (
+                name == "__get__" and prop not in _TENSOR_PROPERTIES):
             with DisableTorchFunctionSubclass():  # shape, dtype, device, requires_grad: the wrapper's own
                 return func(*args, **kwargs)
         self = args[0] if args else None
+        if name in _GRADIENT_HOOKS or (name == "grad" and any(isinstance(t, LazyLogits) for t in tree_leaves(
+                (args[1:], kwargs.get("inputs"))))):
+            raise LazyHeadError(f"{name} on lazy logits: {_NO_GRADIENT}. Compute them whole first "
+                                f"(logits = logits.materialize()), {_OFF}")
+        if name == "requires_grad_" and isinstance(self, LazyLogits):
+            wanted = bool(kwargs.get("requires_grad", args[1] if len(args) > 1 else True))
+            if wanted == self.requires_grad:
+                return self
+            raise LazyHeadError(f"requires_grad_({wanted}) on lazy logits that {'do' if self.requires_grad else 'do not'}"
+                                f" require grad: whether they do is the head's (made with grad mode on or off), {_OFF}")
         if isinstance(self, LazyLogits) and (name == "__setitem__" or name in _INPLACE_DUNDERS
                                              or (name.endswith("_") and not name.startswith("_"))):
             raise LazyHeadError(
@@ -156,8 +197,8 @@ class LazyLogits(torch.Tensor):
             warnings.warn(f"lean memory: the logits of a lazy LM head were used by {name}, so they were computed whole "
                           "(no saving there): reshape, .float() and F.cross_entropy keep them lazy", RuntimeWarning,
                           stacklevel=3)
-        plain = [a._compute() if isinstance(a, LazyLogits) else a for a in args]
-        return func(*plain, **{k: (v._compute() if isinstance(v, LazyLogits) else v) for k, v in kwargs.items()})
+        plain_args, plain_kwargs = tree_map(lambda a: a._compute() if isinstance(a, LazyLogits) else a, (args, kwargs))
+        return func(*plain_args, **plain_kwargs)
 
     def _shape(self, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
         """The shape a reshape/view asks for, -1 resolved; None unless it keeps the vocabulary last."""
@@ -193,8 +234,9 @@ class LazyLogits(torch.Tensor):
             if end == dim - 1:  # the vocabulary is flattened in: (B*T*V,) as torch gives, computed whole
                 return self if start == dim - 1 else None
             return self._like(hidden=self._hidden.flatten(start, end))
-        if func is torch.Tensor.float or (func is torch.Tensor.to and len(rest) <= 1 and not (set(kwargs) - {"dtype"})
-                                          and kwargs.get("dtype", rest[0] if rest else None) is torch.float32):
+        upcast = func is torch.Tensor.float or (func is torch.Tensor.to and len(rest) <= 1 and not (set(kwargs) - {"dtype"})
+                                               and kwargs.get("dtype", rest[0] if rest else None) is torch.float32)
+        if upcast and self.dtype != torch.float64:  # (.float() of float64 logits rounds them: computed whole)
             return self._like(upcast=True)
         if func is torch.Tensor.contiguous:
             return self
@@ -203,8 +245,10 @@ class LazyLogits(torch.Tensor):
     def _cross_entropy(self, target: torch.Tensor, weight: Any = None, size_average: Any = None, ignore_index: int = -100,
                        reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor | None:
         if size_average is not None or reduce is not None or reduction not in ("mean", "sum") or \
-                not isinstance(target, torch.Tensor) or target.dim() != 1 or target.is_floating_point():
-            return None  # per-row losses, class probabilities, the legacy arguments: computed whole
+                not isinstance(target, torch.Tensor) or target.dim() != 1 or target.dtype not in (torch.int64, torch.uint8):
+            return None  # per-row losses, class probabilities, the legacy arguments, targets torch refuses: computed whole
+        if isinstance(weight, torch.Tensor) and weight.requires_grad and torch.is_grad_enabled():
+            return None  # a class weight to differentiate: computed whole, where torch says what it does with it
         self._check_fresh("F.cross_entropy")
         weight_, bias = self._head
         enabled, low = self._autocast
@@ -271,6 +315,13 @@ def head_lever_refusal(model: nn.Module | None, head: nn.Module) -> str | None:
     return _module_refusal(head) or _distributed_refusal(model)
 
 
+def _gradient_reached(grad: torch.Tensor) -> torch.Tensor:
+    """Hook of lazy logits that require grad: a gradient reached them, through an autograd Function they
+    were handed to (their own gradient, which nothing would take on to the head)."""
+    raise LazyHeadError(f"a gradient reached lazy logits through an autograd Function they were passed to: "
+                        f"{_NO_GRADIENT}. Compute them whole before it (logits = logits.materialize()), {_OFF}")
+
+
 class _LazyHead:
     """The forward of a head whose logits are made lazily (picklable; ``previous``: the instance
     forward it replaced, or None)."""
@@ -284,6 +335,14 @@ class _LazyHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._plain(hidden)  # a compiled graph cannot carry lazy logits: plain ones, no saving
+        active = torch_private.functorch_transforms_active
+        if torch.is_inference_mode_enabled() or hidden.is_inference() or active is None or active():
+            return self._plain(hidden)  # inference tensors keep no version, torch.func's wrappers no storage
+        module = self.module
+        if backward_hooked(module):
+            # a backward hook on the head is handed the logits' gradient, which lazy logits never make
+            stand_aside(module, self, "lm_head", "a backward hook (its gradient is the logits', never made lazily)")
+            return self._plain(hidden)
         reason = _module_refusal(self.module) or _distributed_refusal()
         if reason is not None:
             raise LazyHeadError(reason)

@@ -119,7 +119,9 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
     inv = None
     if reduction == "mean":
         den = wy.sum()
-        inv = torch.where(den > 0, 1.0 / den, 0.0)  # torch's gradients of an all-ignored mean are 0 (its loss nan)
+        # torch's gradients of an all-ignored mean are 0 (its loss nan); of a mean whose targets' class weights
+        # are all 0, nan (0/0), which a loss scaler sees as an overflow
+        inv = torch.where(den > 0, 1.0 / den, torch.where(valid.any(), float("nan"), 0.0))
     total = torch.zeros((), dtype=acc, device=h.device)
     gh = torch.empty(h.shape, dtype=_held(h.dtype), device=h.device) if need[0] else None
     gw = torch.zeros(w.shape, dtype=acc, device=w.device) if need[1] else None
@@ -170,7 +172,11 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
                 gw.add_(gl.t() @ hc[s:e])  # matmul 3, rounded to bfloat16 as the plain one is
         if gb is not None:
             gb.add_((g if compute == torch.float16 else gl).sum(0, dtype=acc))
-    loss = total if inv is None else total / wy.sum()
+    if inv is not None:
+        den = wy.sum()
+        loss = torch.where(den > 0, total / den, float("nan"))  # a mean over no weight: nan, as torch's (smoothing too)
+    else:
+        loss = total
     return (loss, gh, _scaled(gw, inv, _held(w.dtype)) if gw is not None else None,
             _scaled(gb, inv, _held(b.dtype)) if gb is not None and b is not None else None)
 

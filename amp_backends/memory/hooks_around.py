@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import PerformanceWarning
 from ..precision.fp32_forward import Fp32Forward
 
-__all__ = ["foreign_forward", "leaves_alone", "others_hooked", "stand_aside"]
+__all__ = ["backward_hooked", "foreign_forward", "leaves_alone", "others_hooked", "stand_aside"]
 
 
 #: Modules whose hooks only observe (the memory ledger's attribution by module): they change nothing a lever does.
@@ -71,6 +71,12 @@ def others_hooked(module: nn.Module, own: Callable[..., Any]) -> bool:
             if hook is not own and getattr(hook, "__module__", None) not in _OURS:
                 return True
     return False
+
+
+def backward_hooked(module: nn.Module) -> bool:
+    """Whether backward hooks run around ``module``: its own (full backward or backward pre-hooks), or any
+    registered for every module."""
+    return bool(module._backward_hooks or module._backward_pre_hooks or any(_GLOBAL_TABLES[2:]))
 
 
 #: layers where a lever stood aside for others' hooks (since it was turned on), weakly -> which hook

@@ -64,7 +64,7 @@ from .activations import FusedActivations, fused_activations
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
 from .compile_once import compile_once, uses_compile_per_call
 from .dropout_masks import DropoutMasks, pack_dropout_masks
-from .master import LOW_PRECISION, MasterWeights
+from .master import LOW_PRECISION, MasterWeights, own_parameter_lists
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import LowPrecisionSaves, low_precision_saves
 from .shared_casts import SharedCasts, share_casts
@@ -181,7 +181,7 @@ class Lean:
             optimizer.unwatch()
             with torch.no_grad():
                 for p, m in optimizer.masters.items():
-                    p.data = m
+                    p.data = m.clone()  # (a view would hold the whole buffer of the masters: a save writes it all)
             optimizer.masters.clear()
             optimizer._stamps.clear()
             optimizer._planned()
@@ -276,6 +276,11 @@ def _check(model: Any, optimizer: Any, weights: Any, master: bool, lm_head: Any,
     if weights is not None and any(hasattr(p, "device_mesh") for p in model.parameters()):
         raise LeanError("memory_lean(weights=...) with FSDP2 (DTensor parameters): fully_shard casts the parameters "
                         "itself; use its MixedPrecisionPolicy(param_dtype=...) instead of lean weights")
+    if weights is not None and master and optimizer is not None and (kept := own_parameter_lists(optimizer)):
+        raise LeanError(f"memory_lean(weights=...): {type(optimizer).__name__} keeps its own list of its parameters "
+                        f"({', '.join(kept)}), which its step updates instead of the float32 masters put in its "
+                        "param_groups (the masters would then overwrite it); use an optimizer whose step reads its "
+                        "param_groups (torch's do, LBFGS aside), or keep the weights float32 (weights=None)")
     if weights is not None and not master:
         stochastic = getattr(optimizer, "bf16_stochastic_round", optimizer.defaults.get("bf16_stochastic_round"))
         if not stochastic or weights != torch.bfloat16:
@@ -342,6 +347,10 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
                     continue
                 if id(p) in why and p.dtype not in LOW_PRECISION:
                     kept[names[id(p)]] = why[id(p)]
+                    continue
+                if p.dtype not in LOW_PRECISION and p.dtype != torch.float32:  # float64: its layer computes in it
+                    kept[names[id(p)]] = (f"{str(p.dtype).replace('torch.', '')}: autocast leaves its layer's "
+                                          "arithmetic in it, and its master would be no wider")
                     continue
                 if p.dtype != weights and p.dtype not in LOW_PRECISION:
                     held = p.data

@@ -21,17 +21,24 @@ torch's scaler does.
 autograd can see is taken in before the next step (:meth:`MasterWeights.sync`): a parameter whose
 version counter moved (``load_state_dict``, an in-place op under ``no_grad``, another optimizer,
 DDP's broadcast of rank 0's weights) gets its master from its new value (from the exact float32 value
-loaded, where ``load_state_dict`` gave one); a parameter moved to another device takes its master
-along; a parameter made float32 again (``model.float()``) gets its master's value and needs none; a
-low-precision parameter without a master (a model already in bfloat16, ``model.to(torch.bfloat16)``
-later, a parameter group added later) gets one. Writes through ``p.data`` are invisible to the version
+loaded, where ``load_state_dict`` gave one), element by element: an element the write left as it was
+keeps its master's float32 value, as a float32 weight keeps its bits under an op that leaves it be
+(:func:`_take_write`; in a process group of several ranks every element takes the new
+value, so that DDP's broadcast leaves each rank the same master); a parameter moved to another device
+takes its master along; a parameter cast to the other low precision keeps its master; a parameter
+made float32 again (``model.float()``) gets its master's value and needs none; a low-precision
+parameter without a master (a model already in bfloat16, ``model.to(torch.bfloat16)`` later, a
+parameter group added later) gets one. Writes through ``p.data`` are invisible to the version
 counter (as they are to autograd) and are overwritten by the next step: write through the parameter.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -39,12 +46,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import AmpBackendsError
 from ..torch_private import FakeTensor, foreach_mul
 from .master_buffers import Flats, consolidate, float32_grads, grad_key, grads_of, round_into
 from .master_buffers import inverse as inverse_of
 from .master_unscale import ExactUnscale
 
-__all__ = ["LOW_PRECISION", "MasterWeights"]
+__all__ = ["LOW_PRECISION", "MasterWeights", "MasterWeightsError", "own_parameter_lists"]
 
 #: The parameter dtypes that get a float32 master.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -62,6 +70,90 @@ def _stamp(p: torch.Tensor) -> _Stamp:
     return p._version, _address(p), p.device, p.dtype
 
 
+class MasterWeightsError(AmpBackendsError, ValueError):
+    """An optimizer whose updates cannot be moved onto float32 masters."""
+
+
+#: the attributes every torch optimizer has that hold its parameters: what the masters are swapped into
+_OWN = frozenset({"param_groups", "state", "defaults"})
+#: torch's optimizer hooks, shared between the wrapper and the optimizer it wraps
+_HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                "_optimizer_load_state_dict_post_hooks")
+
+
+def own_parameter_lists(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The attributes of ``optimizer`` other than its groups and state that hold its parameters (a list
+    it keeps of its own, as LBFGS's ``_params``): its step would update the parameters found there, not
+    the float32 masters swapped into its groups, and the masters would then overwrite them."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    found = []
+    for name, value in vars(optimizer).items():
+        if name in _OWN:
+            continue
+        items: list[Any] = list(value) if isinstance(value, (list, tuple, set)) else (
+            [*value.keys(), *value.values()] if isinstance(value, dict) else [])
+        items += [x for item in items if isinstance(item, (list, tuple)) for x in item]  # per group
+        if any(isinstance(x, torch.Tensor) and id(x) in params for x in items):
+            found.append(name)
+    return found
+
+
+def _ranks_share_writes() -> bool:
+    """Whether this process is one rank of several, where a write to a parameter may be rank 0's value
+    broadcast (DDP's, at its start) and every rank must then hold the same master."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _widen_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> None:
+    """``optimizer``'s state for ``p`` made before ``p`` had a master (an optimizer that stepped, or was
+    built, on low-precision parameters: Adagrad's sums), in float32 as the masters' own would be."""
+    state = optimizer.state.get(p)
+    if state:
+        for key, value in state.items():
+            if type(value) is torch.Tensor and value.dtype in LOW_PRECISION:
+                state[key] = value.float()
+
+
+def _take_write(p: nn.Parameter, master: torch.Tensor, low: torch.dtype, loaded: torch.Tensor | None) -> None:
+    """``p`` was written outside the step: its master takes the new value. An element the write left
+    as it was (the rounding of what it held: the master's, to ``low``, the dtype the step last wrote,
+    or of the value ``load_state_dict`` gave, ``loaded``) keeps that value in float32, as a float32
+    weight keeps its bits under an op that changes some elements or none (a clamp,
+    ``nn.Embedding(max_norm=...)``'s renorm, a cast to another low precision: ``model.half()``); an
+    element it changed takes the parameter's value. Among several ranks a write other than a load or
+    a cast gives every element the parameter's value (DDP's broadcast of rank 0's weights writes rank
+    0's with its own: each rank must then hold the same master)."""
+    if loaded is not None:
+        kept, rounded = loaded.to(p.device), loaded.to(p.device, p.dtype)
+    elif low == p.dtype and _ranks_share_writes():
+        master.copy_(p)
+        return
+    else:
+        kept, rounded = master, master.to(low)
+        if low != p.dtype:
+            rounded = rounded.to(p.dtype)
+    master.copy_(torch.where(p == rounded, kept, p.to(kept.dtype)))
+
+
+class _LoadWatch:
+    """The ``load_state_dict`` pre-hook of a module with parameters that have masters: the wrapper it
+    reports to is held weakly (a model kept for inference does not keep the optimizer's state alive),
+    and a pickled or deep-copied model carries a watch that reports to no one (its parameters are new)."""
+
+    def __init__(self, owner: MasterWeights | None) -> None:
+        self.owner = None if owner is None else weakref.ref(owner)
+
+    def __call__(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
+        owner = None if self.owner is None else self.owner()
+        if owner is not None:
+            owner._on_load(module, state_dict, prefix)
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return _LoadWatch, (None,)
+
+
 class MasterWeights(ExactUnscale, torch.optim.Optimizer):
     """``optimizer``'s updates applied to float32 masters of its low-precision parameters
     (``masters``: parameter -> its float32 master; a low-precision parameter without one gets one from
@@ -76,18 +168,31 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  masters: Mapping[nn.Parameter, torch.Tensor] | None = None) -> None:
         # not torch's __init__: the groups, the state and the hooks stay the wrapped optimizer's own
+        kept = own_parameter_lists(optimizer)
+        if kept:
+            raise MasterWeightsError(
+                f"{type(optimizer).__name__} keeps its own list of its parameters ({', '.join(kept)}): its step "
+                "would update the low-precision parameters there, not the float32 masters swapped into its "
+                "param_groups, and the masters would then overwrite them. Use an optimizer whose step reads "
+                "its param_groups (torch's do, LBFGS aside), or no float32 masters (weights=None)")
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
-        self._optimizer_step_pre_hooks = getattr(optimizer, "_optimizer_step_pre_hooks", {})
-        self._optimizer_step_post_hooks = getattr(optimizer, "_optimizer_step_post_hooks", {})
+        for table in _HOOK_TABLES:  # hooks registered on either are the same hooks
+            if not hasattr(optimizer, table):
+                setattr(optimizer, table, OrderedDict())
+            setattr(self, table, getattr(optimizer, table))
         #: parameter -> its float32 master
         self.masters: dict[nn.Parameter, torch.Tensor] = dict(masters or {})
         self._stamps: dict[nn.Parameter, _Stamp] = {p: _stamp(p) for p in self.masters}
+        #: whether the groups list the masters now (inside :meth:`on_masters`: a step, a hook of it)
+        self._swapped = False
+        for p in self.masters:
+            _widen_state(self.optimizer, p)
         #: float32 values a load_state_dict gave a parameter (taken exactly at the next sync)
         self._loaded: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks: list[Any] = []
         #: parameter -> (its exact float32 gradient after unscale_, (id, version) of its gradient then)
-        self._exact: dict[nn.Parameter, tuple[torch.Tensor, tuple[int, int]]] = {}
+        self._exact: dict[nn.Parameter, tuple[torch.Tensor, tuple[Any, int]]] = {}
         self._warned_new = self._warned_changed = False
         # what the last sync saw (the groups' parameters, their versions and storage) and the plan it made
         self._ids: list[int] | None = None
@@ -140,7 +245,7 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
         owners = {id(p) for p in self.masters}
         for module in model.modules():
             if any(id(p) in owners for p in module._parameters.values() if p is not None):
-                self._hooks.append(module._register_load_state_dict_pre_hook(self._on_load, with_module=True))
+                self._hooks.append(module._register_load_state_dict_pre_hook(_LoadWatch(self), with_module=True))
 
     def _on_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
         for name, p in module._parameters.items():
@@ -155,9 +260,10 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Make each master the truth again after writes made outside the step (module docstring)."""
-        if self._ids is not None and self._look() == (self._ids, self._seen):
-            return  # nothing written, nothing added or replaced since the last sync or step
+        """Make each master the truth again after writes made outside the step (module docstring).
+        Nothing while the groups list the masters (a hook of the step, ``state_dict()`` inside it)."""
+        if self._swapped or (self._ids is not None and self._look() == (self._ids, self._seen)):
+            return  # inside the step, or nothing written, added or replaced since the last sync or step
         params = self._params()
         stamps = self._stamps
         before = dict(zip(self._ids or [], self._seen))  # id -> (version, address) as last seen
@@ -172,6 +278,7 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
                     self.masters[p] = p.detach().float()
                     created += 1
                     stamps[p] = _stamp(p)
+                    _widen_state(self.optimizer, p)
                 continue
             if stamps[p] == _stamp(p):
                 continue
@@ -184,9 +291,8 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
                 continue
             if master.device != p.device:  # moved (model.to(device)): the master goes along
                 master = self.masters[p] = master.to(p.device)
-            if version != p._version or not torch.equal(p, master.to(p.dtype)):  # written: the master follows
-                exact = loaded is not None and torch.equal(loaded.to(p.device, p.dtype), p)
-                master.copy_(loaded if exact and loaded is not None else p)
+            if version != p._version or low != p.dtype or not torch.equal(p, master.to(p.dtype)):  # written
+                _take_write(p, master, low, loaded)
             stamps[p] = _stamp(p)
         held = set(params)
         for p in [p for p in self.masters if p not in held]:
@@ -216,19 +322,21 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
         masters, state = self.masters, self.optimizer.state
         groups = self.optimizer.param_groups
         held = [group["params"] for group in groups]
-        for group, swapped in zip(groups, self._lists):
-            group["params"] = swapped
         with_master = self._with_master
-        for p in with_master:
-            value = state.pop(p, None)
-            if value is not None:
-                state[masters[p]] = value
-        if grads:
-            for p, g in self._master_grads(grad_scale).items():
-                masters[p].grad = g
-        try:
+        self._swapped = True
+        try:  # (an error from here on leaves the groups and state the parameters' again)
+            for group, swapped in zip(groups, self._lists):
+                group["params"] = swapped
+            for p in with_master:
+                value = state.pop(p, None)
+                if value is not None:
+                    state[masters[p]] = value
+            if grads:
+                for p, g in self._master_grads(grad_scale).items():
+                    masters[p].grad = g
             yield
         finally:
+            self._swapped = False
             # read again: load_state_dict replaces the optimizer's groups and state with new objects
             state = self.optimizer.state
             for group, params in zip(self.optimizer.param_groups, held):
@@ -279,6 +387,7 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
                 "grad_scaler" not in inspect.signature(inner.step).parameters
         on_device = self._on_device
         if found_inf is not None and not on_device and bool(found_inf.item()):
+            self._exact = {}  # (the unscaled gradients of a skipped step are not the next step's)
             return loss  # an inf/NaN gradient: nothing moves (the scaler skips the step)
         unscale = None if on_device else grad_scale
         wide = [p for p in self._params() if p not in self.masters and p.grad is not None] if unscale is not None else []
@@ -318,6 +427,25 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
         state is cast to the masters' float32, not to the parameters' low precision)."""
         with self.on_masters():
             self.optimizer.load_state_dict(dict(state_dict))
+
+    def __getattr__(self, name: str) -> Any:
+        """A public attribute of the wrapped optimizer the wrapper has not (a schedule-free optimizer's
+        ``train()`` and ``eval()``, its settings), read through; its methods run on the float32 masters
+        (the groups list them and the state is keyed by them, as in the step), whose rounding the
+        parameters then hold."""
+        inner = self.__dict__.get("optimizer")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = getattr(inner, name)
+        if not inspect.ismethod(value):
+            return value
+
+        @functools.wraps(value)
+        def on_masters(*args: Any, **kwargs: Any) -> Any:
+            with torch.no_grad(), self.on_masters():
+                return value(*args, **kwargs)
+
+        return on_masters
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdRef
 
 from ..torch_private import flatten_dense_tensors, foreach_copy_, foreach_mul_, foreach_norm, unflatten_dense_tensors
 
@@ -46,11 +47,12 @@ def grads_of(params: list[nn.Parameter]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def grad_key(p: nn.Parameter) -> tuple[int, int]:
-    """Which gradient ``p`` holds and how often it was written: (id, version counter); a gradient
-    replaced or changed in place since gives another key."""
+def grad_key(p: nn.Parameter) -> tuple[WeakIdRef, int]:
+    """Which gradient ``p`` holds and how often it was written: (the gradient, weakly and by identity;
+    its version counter). A gradient replaced or changed in place since gives another key, and so does
+    one made after it was freed, at the same address (an id would be reused)."""
     assert p.grad is not None
-    return id(p.grad), p.grad._version
+    return WeakIdRef(p.grad), p.grad._version
 
 
 def inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:

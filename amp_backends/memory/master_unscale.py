@@ -19,11 +19,11 @@ __all__ = ["ExactUnscale"]
 
 class ExactUnscale:
     """The float16 path's two methods; the class mixing it in keeps ``masters`` (parameter -> float32
-    master), ``_exact`` (parameter -> (exact float32 gradient, (id, version) of its gradient then)) and
+    master), ``_exact`` (parameter -> (exact float32 gradient, :func:`.master_buffers.grad_key` of its gradient then)) and
     ``_params()`` (the optimizer's parameters, in order)."""
 
     masters: dict[nn.Parameter, torch.Tensor]
-    _exact: dict[nn.Parameter, tuple[torch.Tensor, tuple[int, int]]]
+    _exact: dict[nn.Parameter, tuple[torch.Tensor, tuple[Any, int]]]
 
     def _params(self) -> list[nn.Parameter]:
         raise NotImplementedError

@@ -472,3 +472,177 @@ def test_the_saves_double_backward_is_the_upcast_ops_own_on_every_input():
         got.append(torch.autograd.grad(gx.float().pow(2).sum() + gw.pow(3).sum(), (x, w, b), allow_unused=True))
     assert got[0][2] is got[1][2] is None, "the bias reaches neither gradient"
     assert all(torch.equal(a, c) for a, c in zip(got[0][:2], got[1][:2]))
+
+
+# -- hostile uses of lazy logits: each either computes what plain logits would, or is refused -----------
+class _Half(torch.autograd.Function):
+    """Identity forward, the gradient halved (a gradient-reversal layer's shape)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return 0.5 * g
+
+
+def test_logits_through_an_autograd_function_are_refused_at_the_backward_instead_of_losing_the_gradient():
+    """A custom Function, or a full backward hook on the whole model, between the logits and the loss: the
+    Function would hand its gradient to logits that never pass it on (the head and everything below it
+    would get none). The backward raises instead, saying why; the plain model trains."""
+    plain, lazy, x, y = _pair()
+    F.cross_entropy(_Half.apply(plain(x)).reshape(-1, V), y).backward()
+    assert all(p.grad is not None for p in plain.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        loss = F.cross_entropy(_Half.apply(lazy(x)).reshape(-1, V), y)
+    with pytest.raises(LazyHeadError, match="autograd Function"):
+        loss.backward()
+    assert all(p.grad is None for p in lazy.parameters()), "nothing half-trained"
+
+    plain, lazy, x, y = _pair()
+    for model in (plain, lazy):
+        model.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    F.cross_entropy(plain(x).reshape(-1, V), y).backward()
+    assert all(p.grad is not None for p in plain.parameters())
+    with pytest.raises(LazyHeadError, match="autograd Function"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        F.cross_entropy(lazy(x).reshape(-1, V), y).backward()
+
+
+def test_a_reentrant_checkpoint_of_the_head_is_refused_and_a_backward_hook_on_it_gets_plain_logits():
+    """torch.utils.checkpoint(head, h, use_reentrant=True) runs the head without grad inside an autograd
+    Function: refused at the loss (the head's gradient would be lost), with the head's loss alone or
+    beside another. A full backward hook on the head itself is handed the logits' gradient, which lazy
+    logits never make: the head returns plain logits there (a warning says the lever stood aside), and
+    the hook sees what it sees without the lever, bitwise."""
+    from torch.utils.checkpoint import checkpoint
+
+    plain, lazy, x, y = _pair()
+    for extra in (False, True):
+        h = torch.tanh(lazy.body(x))
+        logits = checkpoint(lazy.head, h, use_reentrant=True)
+        with pytest.raises(LazyHeadError, match="autograd Function returned them"):
+            F.cross_entropy(logits.reshape(-1, V), y) + (h.square().mean() if extra else 0.0)
+
+    plain, lazy, x, y = _pair()
+    seen: dict[str, list[torch.Tensor]] = {"plain": [], "lazy": []}
+    for name, model in (("plain", plain), ("lazy", lazy)):
+        model.head.register_full_backward_hook(lambda m, gi, go, name=name: seen[name].append(go[0].clone()))
+    with pytest.warns(amp_backends.PerformanceWarning, match="backward hook"):
+        logits = lazy(x)
+    assert type(logits) is torch.Tensor
+    for model, out in ((plain, plain(x)), (lazy, logits)):
+        F.cross_entropy(out.reshape(-1, V), y).backward()
+    assert len(seen["lazy"]) == len(seen["plain"]) == 1 and torch.equal(seen["lazy"][0], seen["plain"][0])
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(lazy.parameters(), plain.parameters()))
+
+
+def test_gradient_hooks_retain_grad_and_autograd_grad_on_lazy_logits_are_refused():
+    """Each would see a gradient lazy logits never have (the plain ones' hook would change or read it)."""
+    _, lazy, x, y = _pair()
+    for use in (lambda t: t.register_hook(lambda g: g.clamp(-0.01, 0.01)), lambda t: t.retain_grad(),
+                lambda t: t.register_post_accumulate_grad_hook(lambda t: None),
+                lambda t: torch.autograd.grad(F.cross_entropy(t.reshape(-1, V), y), t),
+                lambda t: torch.autograd.grad(F.cross_entropy(t.reshape(-1, V), y), [t, lazy.head.weight])):
+        with pytest.raises(LazyHeadError, match="never made"):
+            use(lazy(x))
+
+
+def test_a_compiled_loss_function_handed_lazy_logits_is_the_eager_loss():
+    """The user's loss function compiled on its own, given lazy logits: torch.compile does not trace into
+    them (a graph break), so it returns the loss, equal to the plain model's, with its gradients."""
+    plain, lazy, x, y = _pair()
+
+    @torch.compile(backend="eager")
+    def loss_fn(logits, labels):  # type: ignore[no-untyped-def]
+        return F.cross_entropy(logits.view(-1, V).float(), labels)
+
+    ref, ours = loss_fn(plain(x), y), loss_fn(lazy(x), y)
+    assert ours.shape == ref.shape == () and abs(ours.item() - ref.item()) <= 4 * _ulp32(ref.item())
+    ref.backward()
+    ours.backward()
+    for a, b in zip(lazy.parameters(), plain.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_freshness_is_read_from_the_heads_input_when_a_reshape_copies_it():
+    """Sequence-first hidden states (a transposed view): reshaping the logits copies the head's input,
+    whose version counter starts again. An edit of the input after the head is still refused, and an
+    edit made before the head (so before the logits) is not."""
+    plain, lazy, _, _ = _pair()
+    y = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        h = torch.randn(2, 4, H, generator=torch.Generator().manual_seed(1)).transpose(0, 1)
+        logits = lazy.head(h)
+        h.mul_(3.0)
+        with pytest.raises(LazyHeadError, match="input"):
+            F.cross_entropy(logits.reshape(-1, V), y)
+    base = torch.randn(2, 4, H, generator=torch.Generator().manual_seed(1))
+    base += 1.0  # its version moves before the forward
+    ours = F.cross_entropy(lazy.head(base.transpose(0, 1)).reshape(-1, V), y)
+    ref = F.cross_entropy(plain.head(base.transpose(0, 1)).reshape(-1, V), y)
+    assert abs(ours.item() - ref.item()) <= 4 * _ulp32(ref.item())
+
+
+def test_inference_mode_and_torch_func_run_the_plain_head_bitwise():
+    """Under inference_mode (tensors without version counters) and inside torch.func's transforms
+    (wrappers without storage) the head returns plain logits: the plain model's results, bitwise."""
+    plain, lazy, x, y = _pair()
+    with torch.inference_mode():
+        ours, ref = lazy(x), plain(x)
+    assert type(ours) is torch.Tensor and torch.equal(ours, ref)
+
+    def loss_of(model):  # type: ignore[no-untyped-def]
+        params = dict(model.named_parameters())
+        return lambda p: F.cross_entropy(torch.func.functional_call(model, p, (x,)).reshape(-1, V), y), params
+
+    (f_ours, p_ours), (f_ref, p_ref) = loss_of(lazy), loss_of(plain)
+    g_ours, g_ref = torch.func.grad(f_ours)(p_ours), torch.func.grad(f_ref)(p_ref)
+    assert all(torch.equal(g_ours[k], g_ref[k]) for k in g_ref)
+
+
+def test_lists_of_lazy_logits_tensor_properties_and_requires_grad_follow_plain_logits():
+    """torch.cat and torch.stack of lazy logits, .mT, .T and .data compute them whole (equal to the
+    plain ones); requires_grad_() as they are changes nothing, and the opposite is refused."""
+    plain, lazy, x, _ = _pair()
+    ours, ref = lazy(x), plain(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        pairs = [(torch.cat([ours, ours]), torch.cat([ref, ref])), (torch.stack([ours]), torch.stack([ref])),
+                 (ours.mT, ref.mT), (ours.reshape(-1, V).T, ref.reshape(-1, V).T), (ours.data, ref.data)]
+    for a, b in pairs:
+        assert type(a) is torch.Tensor and a.shape == b.shape and torch.equal(a, b)
+    assert ours.requires_grad_() is ours and ours.requires_grad
+    with pytest.raises(LazyHeadError, match="requires_grad_"):
+        ours.requires_grad_(False)
+
+
+def test_targets_and_class_weights_torch_refuses_or_makes_nan_are_torchs():
+    """Class weights that are 0 on every target: torch's mean is nan and so are its gradients (a loss
+    scaler skips the step), with smoothing too; the fused loss's as well. int32 targets and a class
+    weight that requires grad go to torch's own loss, which says what it does with them."""
+    h, w, b, y, _ = _case()
+    y = y.clamp(min=0) % 10
+    cw = torch.zeros(V)
+    cw[10:] = 1.0
+    for smoothing in (0.0, 0.1):
+        ref = F.cross_entropy(F.linear(h, w, b), y, weight=cw, label_smoothing=smoothing)
+        ours = linear_cross_entropy(h, w, y, b, class_weight=cw, label_smoothing=smoothing, rows=8)
+        assert math.isnan(ref.item()) and math.isnan(ours.item())
+        for o, p in zip(torch.autograd.grad(ours, (h, w, b)), torch.autograd.grad(ref, (h, w, b))):
+            assert torch.isnan(p).all() and torch.isnan(o).all()
+    plain, lazy, x, y = _pair()
+    for kwargs in ({"target": y.int()}, {"target": y, "weight": torch.ones(V, requires_grad=True)}):
+        outcomes = []
+        for model in (plain, lazy):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    loss = F.cross_entropy(model(x).reshape(-1, V), **kwargs)
+                    loss.backward()
+                outcomes.append(("ok", loss.item()))
+            except Exception as exc:  # noqa: BLE001  # torch's own error, whatever it is: the same on both
+                outcomes.append((type(exc).__name__, str(exc)[:60]))
+        assert outcomes[0] == outcomes[1], outcomes

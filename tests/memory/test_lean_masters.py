@@ -56,10 +56,12 @@ class _Reference:
         self.opt.step()
 
     def follow_writes(self, *written: torch.Tensor) -> None:
+        """The writes just made to ``written`` (parameters that held their copies' rounding before), made
+        to the copies: each element the write changed takes its new value, the others keep the copy's."""
         with torch.no_grad():
             for p, r in zip(self.model.parameters(), self.params):
                 if any(p is w for w in written):
-                    r.copy_(p.float())
+                    r.copy_(torch.where(p == r.to(p.dtype), r, p.float()))
 
     def assert_equal(self, lean) -> None:
         masters = lean.masters
