@@ -22,8 +22,13 @@ lever works on every supported torch and composes with any hooks in force (a che
 the memory ledger): they are handed the view, which shares the copy's storage.
 
 Where the input is already low precision (a bf16 residual stream, the CPU's LayerNorm under autocast)
-nothing is cast and nothing changes; nor inside a reentrant or non-reentrant checkpoint's recomputation,
-which runs in the backward: there autocast casts as without the lever. Nor for a leaf that requires
+nothing is cast and nothing changes; nor for inference tensors (no version counter) or nested ones. A
+checkpoint's recomputation runs the lever as its forward did (torch's selective checkpointing hands
+back saved casts in the forward's order). A linear that reads ``x`` again (the next micro-batch's
+forward, an input refilled through a numpy view, which no version counter sees) casts it again; a write
+through ``.data`` between two siblings of one forward is not seen (as autograd does not see it). The
+node has the cast's tangent for forward-mode AD and owes no gradient to the copy (compiled autograd
+takes it). Nor for a leaf that requires
 grad (learned queries), whose cast autocast caches itself, nor on a linear with hooks of its user
 (:func:`.substitutes.others_hooked`) or a forward of another's set on it (accelerate's hooks): they see
 its float32 input and gradient, as without the lever, and the lever says it stood aside
@@ -42,7 +47,7 @@ from torch import nn
 from torch.utils.weak import WeakIdRef
 
 from .. import torch_private
-from ..torch_private import DisableTorchDispatch, DisableTorchFunction, current_graph_task_id
+from ..torch_private import DisableTorchDispatch, DisableTorchFunction
 from . import substitutes
 
 __all__ = ["SharedCasts", "autocast_casts_linear", "autocast_copy_dtype", "share_casts"]
@@ -65,22 +70,30 @@ class _Shared(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = copy.dtype  # (copy: detached, so that no gradient is owed to it; it shares the version counter)
         return copy.view_as(copy)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad.to(torch.float32), None
 
+    @staticmethod
+    def jvp(ctx: Any, x_tangent: torch.Tensor, copy_tangent: Any) -> torch.Tensor:
+        return x_tangent.to(ctx.dtype)  # forward-mode AD: the cast's own tangent
+
 
 class _First:
-    """The first copy made of an activation, weakly, with the activation's version and the copy's dtype
-    and version."""
+    """The first copy made of an activation, weakly, with the activation's version, the copy's dtype and
+    version, and the linears it was handed to (one of them reading ``x`` again starts a new round: a new
+    cast, so that a write the version counter cannot see, a numpy view's or ``.data``'s between two
+    forwards, is read as plain autocast reads it)."""
 
-    __slots__ = ("copy", "copy_version", "dtype", "version", "x")
+    __slots__ = ("copy", "copy_version", "dtype", "taken", "version", "x")
 
-    def __init__(self, x: torch.Tensor, copy: torch.Tensor) -> None:
+    def __init__(self, x: torch.Tensor, copy: torch.Tensor, module: nn.Module) -> None:
         self.x = WeakIdRef(x, functools.partial(_forget, id(x)))
         self.copy, self.version, self.dtype, self.copy_version = WeakIdRef(copy), x._version, copy.dtype, copy._version
+        self.taken = {id(module)}
 
 
 #: id of a live float32 activation -> its first copy
@@ -93,14 +106,11 @@ def _forget(key: int, _ref: Any) -> None:
 
 def autocast_copy_dtype(x: Any) -> torch.dtype | None:
     """The dtype autocast would cast ``x``, a linear's input, to (None where it would not, or nothing
-    is saved, or the forward is compiled, or it is a checkpoint's recomputation inside the backward,
-    whose forward ran without grad or without the lever's view: autocast casts there as it does without
-    a lever)."""
-    if (torch.compiler.is_compiling() or not torch.is_grad_enabled()
-            or (current_graph_task_id is not None and current_graph_task_id() != -1)):
+    is saved, or the forward is compiled, or ``x`` is an inference or nested tensor)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return None
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-        return None
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.is_nested or x.is_inference():
+        return None  # (inference tensors keep no version counter; nested ones have no view_as)
     if x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled():
         return None  # autocast caches its cast of a leaf that requires grad: one copy, as without a lever
     device = x.device.type
@@ -131,12 +141,14 @@ def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     if substitutes.leaves_alone(module, _cast, "shared_casts"):  # a forward set on it (a policy's float32 one,
         return None  # accelerate's) or others' hooks see its input and its gradient in float32, as without the lever
     first = _FIRST.get(id(x))
-    if first is not None and first.x() is x and first.version == x._version and first.dtype == dtype:
+    if (first is not None and first.x() is x and first.version == x._version and first.dtype == dtype
+            and id(module) not in first.taken):
         earlier = first.copy()
         if earlier is not None and earlier._version == first.copy_version and _sharing():
-            return (_Shared.apply(x, earlier), *args[1:])
+            first.taken.add(id(module))
+            return (_Shared.apply(x, earlier.detach()), *args[1:])
     copy = x.to(dtype)
-    _FIRST[id(x)] = _First(x, copy)
+    _FIRST[id(x)] = _First(x, copy, module)
     return (copy, *args[1:])
 
 

@@ -480,7 +480,8 @@ def test_the_copy_a_sibling_saves_edited_in_place_after_the_forward_is_refused_a
     with _LinearInputs() as inputs, torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x, torch.randn(4, 8))
     q_in, k_in = inputs.seen[0], inputs.seen[1]
-    assert k_in is not q_in and k_in._base is q_in and k_in.grad_fn is not q_in.grad_fn, "a view through a node of its own"
+    assert k_in is not q_in and k_in._base is not None and k_in.grad_fn is not q_in.grad_fn, "a view through a node of its own"
+    assert k_in.data_ptr() == q_in.data_ptr() and k_in._version == q_in._version, "of the first copy's storage"
     before = k_in._version
     with torch.no_grad():
         q_in.add_(1)
@@ -562,7 +563,8 @@ def test_the_shared_casts_run_python_once_per_shared_copy_in_the_backward_and_no
         with _LinearInputs() as inputs, casts, torch.autocast("cpu", dtype=torch.bfloat16):
             loss = _loss(model, "bert", x)
         assert inputs.hooks_in_force and all(top is None for top in inputs.hooks_in_force), inputs.hooks_in_force
-        shared = sum(any(t._base is s for s in inputs.seen) for t in inputs.seen)  # views of another's input
+        shared = sum(t._base is not None and any(s is not t and s.data_ptr() == t.data_ptr() for s in inputs.seen)
+                     for t in inputs.seen)  # views of another's input (of its storage, its version counter)
         assert shared == (2 * layers if on else 0) and (handle is None or handle.stood_aside == []), shared
         return python_events(loss.backward), casts.count
 
@@ -1210,3 +1212,114 @@ def test_the_lever_bench_times_all_the_levers_with_each_default_one_turned_off()
         changed = {k for k in everything.keys() | kwargs.keys() if kwargs.get(k, True) != everything.get(k, True)}
         assert changed == {lever}, (lever, kwargs)
         assert kwargs[lever] in (False, None)
+
+
+# -- the shared casts under hostile use: each as plain autocast, or torch's own error -------------------
+def _siblings(on: bool) -> nn.ModuleDict:
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"q": nn.Linear(8, 8), "k": nn.Linear(8, 8), "v": nn.Linear(8, 8)})
+    if on:
+        share_casts(m)
+    return m
+
+
+def _attend(m: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
+    return m["q"](x) * m["k"](x) + m["v"](x)
+
+
+def test_shared_casts_under_forward_mode_ad_give_autocasts_tangents() -> None:
+    """A dual tensor read by the siblings: the shared view's tangent is the cast's (it raised: no jvp)."""
+    import torch.autograd.forward_ad as fwAD
+
+    tangents = []
+    for on in (False, True):
+        m = _siblings(on)
+        x, t = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.randn(4, 8)
+        with fwAD.dual_level(), torch.autocast("cpu", dtype=torch.bfloat16):
+            tangents.append(fwAD.unpack_dual(_attend(m, fwAD.make_dual(x, t))).tangent)
+    assert torch.equal(*tangents)
+
+
+def test_shared_casts_under_compiled_autograd_give_autocasts_gradients() -> None:
+    """An eager forward, a backward under compiled autograd: no gradient is owed to the shared copy (it
+    raised: the node's None for a copy that required grad)."""
+    from torch._dynamo import compiled_autograd
+
+    grads = []
+    for on in (False, True):
+        m = _siblings(on)
+        x0 = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = _attend(m, x0 * 2)
+        torch._dynamo.reset()
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            out.float().sum().backward()
+        grads.append([x0.grad, *(p.grad for p in m.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_an_input_refilled_without_a_version_bump_is_cast_again_at_each_forward() -> None:
+    """A numpy buffer refilled between two micro-batches (no version counter sees it), one backward: the
+    first sibling of each forward casts it again (the stale copy was shared: wrong outputs and gradients);
+    outputs and gradients are plain autocast's, bitwise."""
+    import numpy as np
+
+    results = []
+    for on in (False, True):
+        m = _siblings(on)
+        buf = np.zeros((4, 8), np.float32)
+        x = torch.from_numpy(buf)
+        outs = []
+        for step in range(2):
+            buf[:] = np.random.RandomState(step).randn(4, 8)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(_attend(m, x))
+        sum(o.float().sum() for o in outs).backward()
+        results.append([*outs, *(p.grad for p in m.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_selective_checkpointing_that_saves_casts_replays_them_in_the_forwards_order() -> None:
+    """torch's selective activation checkpointing with a policy that saves every cast: the recomputation
+    runs the lever as the forward did, so the cached casts are handed back to the ops they came from
+    (gradients 150 off before, the recomputation casting in autocast's order where the forward had the
+    lever's); bitwise plain autocast's."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def save_casts(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten._to_copy.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    grads = []
+    for on in (False, True):
+        m = _siblings(on)
+        x0 = torch.randn(8, 8, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = checkpoint(functools.partial(_attend, m), x0 * 2, use_reentrant=False,
+                             context_fn=functools.partial(create_selective_checkpoint_contexts, save_casts))
+        out.float().pow(2).sum().backward()
+        grads.append([x0.grad, *(p.grad for p in m.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("kind", ["inference", "nested"])
+def test_inference_tensors_and_nested_tensors_are_cast_as_autocast_casts_them(kind: str) -> None:
+    """Features made under inference_mode (no version counter) and strided nested tensors (no view_as):
+    each linear casts its own copy, as without the lever (both raised)."""
+    outs = []
+    for on in (False, True):
+        m = _siblings(on)
+        if kind == "inference":
+            with torch.inference_mode():
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)) * 2
+        else:
+            x = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], requires_grad=True) * 2
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = _attend(m, x)
+        if kind == "inference":
+            out.float().sum().backward()
+            outs.append([out, *(p.grad for p in m.parameters())])
+        else:
+            outs.append(list(out.unbind()))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
