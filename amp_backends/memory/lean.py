@@ -277,10 +277,11 @@ def _check(model: Any, optimizer: Any, weights: Any, master: bool, lm_head: Any,
         raise LeanError("memory_lean(weights=...) with FSDP2 (DTensor parameters): fully_shard casts the parameters "
                         "itself; use its MixedPrecisionPolicy(param_dtype=...) instead of lean weights")
     if weights is not None and master and optimizer is not None and (kept := own_parameter_lists(optimizer)):
-        raise LeanError(f"memory_lean(weights=...): {type(optimizer).__name__} keeps its own list of its parameters "
-                        f"({', '.join(kept)}), which its step updates instead of the float32 masters put in its "
-                        "param_groups (the masters would then overwrite it); use an optimizer whose step reads its "
-                        "param_groups (torch's do, LBFGS aside), or keep the weights float32 (weights=None)")
+        raise LeanError(f"memory_lean(weights=...): {type(optimizer).__name__} keeps its own list of its parameters, "
+                        f"or another optimizer over them ({', '.join(kept)}), which its step updates (or keys its "
+                        "state by) instead of the float32 masters put in its param_groups and state; use an optimizer "
+                        "whose step reads its param_groups (torch's do, LBFGS aside), or keep the weights float32 "
+                        "(weights=None)")
     if weights is not None and not master:
         stochastic = getattr(optimizer, "bf16_stochastic_round", optimizer.defaults.get("bf16_stochastic_round"))
         if not stochastic or weights != torch.bfloat16:

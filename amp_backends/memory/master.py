@@ -84,12 +84,16 @@ _HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_opt
 
 def own_parameter_lists(optimizer: torch.optim.Optimizer) -> list[str]:
     """The attributes of ``optimizer`` other than its groups and state that hold its parameters (a list
-    it keeps of its own, as LBFGS's ``_params``): its step would update the parameters found there, not
-    the float32 masters swapped into its groups, and the masters would then overwrite them."""
+    it keeps of its own, as LBFGS's ``_params``) or another optimizer (SAM's ``base_optimizer``,
+    Lookahead's): its step would update the parameters found there, or keep state keyed by what the
+    masters replace, not the float32 masters swapped into its groups and state."""
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     found = []
     for name, value in vars(optimizer).items():
         if name in _OWN:
+            continue
+        if isinstance(value, torch.optim.Optimizer):
+            found.append(name)
             continue
         items: list[Any] = list(value) if isinstance(value, (list, tuple, set)) else (
             [*value.keys(), *value.values()] if isinstance(value, dict) else [])
@@ -154,7 +158,46 @@ class _LoadWatch:
         return _LoadWatch, (None,)
 
 
-class MasterWeights(ExactUnscale, torch.optim.Optimizer):
+class _ThroughToWrapped:
+    """The wrapped optimizer's public attributes, read and set through the wrapper (which keeps it as
+    ``optimizer`` and provides :meth:`MasterWeights.on_masters`)."""
+
+    optimizer: torch.optim.Optimizer
+
+    def on_masters(self) -> Any:
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:
+        """A public attribute of the wrapped optimizer the wrapper has not (a schedule-free optimizer's
+        ``train()`` and ``eval()``, its settings), read through; its methods run on the float32 masters
+        (the groups list them and the state is keyed by them, as in the step), whose rounding the
+        parameters then hold."""
+        inner = self.__dict__.get("optimizer")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = getattr(inner, name)
+        if not inspect.ismethod(value):
+            return value
+
+        @functools.wraps(value)
+        def on_masters(*args: Any, **kwargs: Any) -> Any:
+            with torch.no_grad(), self.on_masters():
+                return value(*args, **kwargs)
+
+        return on_masters
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A public attribute the wrapped optimizer has and the wrapper has not is set on the optimizer
+        (whose step reads it); anything else on the wrapper."""
+        inner = self.__dict__.get("optimizer")
+        if (inner is not None and not name.startswith("_") and name not in self.__dict__
+                and not hasattr(type(self), name) and name in vars(inner)):
+            setattr(inner, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+
+class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
     """``optimizer``'s updates applied to float32 masters of its low-precision parameters
     (``masters``: parameter -> its float32 master; a low-precision parameter without one gets one from
     its value; float32 parameters are stepped as they are). See the module docstring."""
@@ -171,10 +214,10 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
         kept = own_parameter_lists(optimizer)
         if kept:
             raise MasterWeightsError(
-                f"{type(optimizer).__name__} keeps its own list of its parameters ({', '.join(kept)}): its step "
-                "would update the low-precision parameters there, not the float32 masters swapped into its "
-                "param_groups, and the masters would then overwrite them. Use an optimizer whose step reads "
-                "its param_groups (torch's do, LBFGS aside), or no float32 masters (weights=None)")
+                f"{type(optimizer).__name__} keeps its own list of its parameters, or another optimizer over them "
+                f"({', '.join(kept)}): its step would update the low-precision parameters there, or keep state "
+                "the float32 masters swapped into its param_groups and state never reach. Use an optimizer whose "
+                "step reads its param_groups (torch's do, LBFGS aside), or no float32 masters (weights=None)")
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         for table in _HOOK_TABLES:  # hooks registered on either are the same hooks
@@ -317,6 +360,9 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
         parameters hold the masters' values rounded (written through the parameters, so their version
         counters move as under any optimizer). The parameters' storage is never swapped: autograd's
         gradient accumulators, and DDP's hooks on them, stay."""
+        if self._swapped:  # inside the step already (a hook of it calling a method of the optimizer)
+            yield
+            return
         if not synced:
             self.sync()
         masters, state = self.masters, self.optimizer.state
@@ -427,25 +473,6 @@ class MasterWeights(ExactUnscale, torch.optim.Optimizer):
         state is cast to the masters' float32, not to the parameters' low precision)."""
         with self.on_masters():
             self.optimizer.load_state_dict(dict(state_dict))
-
-    def __getattr__(self, name: str) -> Any:
-        """A public attribute of the wrapped optimizer the wrapper has not (a schedule-free optimizer's
-        ``train()`` and ``eval()``, its settings), read through; its methods run on the float32 masters
-        (the groups list them and the state is keyed by them, as in the step), whose rounding the
-        parameters then hold."""
-        inner = self.__dict__.get("optimizer")
-        if inner is None or name.startswith("_"):
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        value = getattr(inner, name)
-        if not inspect.ismethod(value):
-            return value
-
-        @functools.wraps(value)
-        def on_masters(*args: Any, **kwargs: Any) -> Any:
-            with torch.no_grad(), self.on_masters():
-                return value(*args, **kwargs)
-
-        return on_masters
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -326,3 +326,48 @@ def test_the_wrapped_optimizers_public_methods_run_on_the_masters():
     assert lean.optimizer.some_setting == 3
     with pytest.raises(AttributeError):
         lean.optimizer._not_there  # noqa: B018
+
+
+class _Wraps(torch.optim.Optimizer):
+    """SAM's and Lookahead's shape: another optimizer over the same groups, which it steps."""
+
+    def __init__(self, params) -> None:  # type: ignore[no-untyped-def]
+        self.base_optimizer = torch.optim.AdamW(params, lr=1e-2)
+        super().__init__(self.base_optimizer.param_groups, {})
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        return self.base_optimizer.step()
+
+
+def test_an_optimizer_over_another_is_refused_and_a_step_hook_may_call_the_optimizers_methods():
+    """An optimizer holding another (its state keyed by what the masters replace, never re-keyed) is
+    refused, naming the attribute. A method of the wrapped optimizer called from a step pre-hook runs
+    inside the step (it ended the step's swap: the masters got no gradient and never moved); a public
+    attribute set through the wrapper reaches the optimizer whose step reads it."""
+    model = _mlp()
+    with pytest.raises(LeanError, match="base_optimizer"):
+        memory_lean(model, _Wraps(model.parameters()), backend="cpu", weights=torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+    class _WithGetter(torch.optim.AdamW):
+        def current_lr(self) -> float:
+            return self.param_groups[0]["lr"]
+
+    model = _mlp()
+    make = lambda ps: _WithGetter(ps, lr=1e-2)  # noqa: E731
+    lean = memory_lean(model, make(model.parameters()), backend="cpu", weights=torch.bfloat16)
+    ref = _copies(lean, model)
+    ref_opt = make(ref)
+    seen = []
+    lean.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(lean.optimizer.current_lr()))
+    for _ in range(3):
+        lean.optimizer.zero_grad()
+        _backward(model)
+        _feed(model, ref)
+        lean.optimizer.step()
+        ref_opt.step()
+    assert seen == [1e-2] * 3
+    assert all(torch.equal(lean.masters[p], r.detach()) for p, r in zip(model.parameters(), ref))
+    lean.optimizer.optimizer.warmup = 10
+    lean.optimizer.warmup = 0
+    assert lean.optimizer.optimizer.warmup == 0 and "warmup" not in vars(lean.optimizer)
