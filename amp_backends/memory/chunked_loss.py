@@ -343,7 +343,7 @@ class _LazyHead:
             # a backward hook on the head is handed the logits' gradient, which lazy logits never make
             stand_aside(module, self, "lm_head", "a backward hook (its gradient is the logits', never made lazily)")
             return self._plain(hidden)
-        reason = _module_refusal(self.module) or _distributed_refusal()
+        reason = _module_refusal(module) or _distributed_refusal()
         if reason is not None:
             raise LazyHeadError(reason)
         device_type = hidden.device.type

@@ -64,7 +64,7 @@ from .activations import FusedActivations, fused_activations
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
 from .compile_once import compile_once, uses_compile_per_call
 from .dropout_masks import DropoutMasks, pack_dropout_masks
-from .master import LOW_PRECISION, MasterWeights, own_parameter_lists
+from .master import LOW_PRECISION, MasterWeights, own_lists_refusal
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import LowPrecisionSaves, low_precision_saves
 from .shared_casts import SharedCasts, share_casts
@@ -276,12 +276,8 @@ def _check(model: Any, optimizer: Any, weights: Any, master: bool, lm_head: Any,
     if weights is not None and any(hasattr(p, "device_mesh") for p in model.parameters()):
         raise LeanError("memory_lean(weights=...) with FSDP2 (DTensor parameters): fully_shard casts the parameters "
                         "itself; use its MixedPrecisionPolicy(param_dtype=...) instead of lean weights")
-    if weights is not None and master and optimizer is not None and (kept := own_parameter_lists(optimizer)):
-        raise LeanError(f"memory_lean(weights=...): {type(optimizer).__name__} keeps its own list of its parameters, "
-                        f"or another optimizer over them ({', '.join(kept)}), which its step updates (or keys its "
-                        "state by) instead of the float32 masters put in its param_groups and state; use an optimizer "
-                        "whose step reads its param_groups (torch's do, LBFGS aside), or keep the weights float32 "
-                        "(weights=None)")
+    if weights is not None and master and optimizer is not None and (reason := own_lists_refusal(optimizer)):
+        raise LeanError(f"memory_lean(weights=...): {reason}")
     if weights is not None and not master:
         stochastic = getattr(optimizer, "bf16_stochastic_round", optimizer.defaults.get("bf16_stochastic_round"))
         if not stochastic or weights != torch.bfloat16:

@@ -52,7 +52,7 @@ from .master_buffers import Flats, consolidate, float32_grads, grad_key, grads_o
 from .master_buffers import inverse as inverse_of
 from .master_unscale import ExactUnscale
 
-__all__ = ["LOW_PRECISION", "MasterWeights", "MasterWeightsError", "own_parameter_lists"]
+__all__ = ["LOW_PRECISION", "MasterWeights", "MasterWeightsError", "own_lists_refusal", "own_parameter_lists"]
 
 #: The parameter dtypes that get a float32 master.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -101,6 +101,17 @@ def own_parameter_lists(optimizer: torch.optim.Optimizer) -> list[str]:
         if any(isinstance(x, torch.Tensor) and id(x) in params for x in items):
             found.append(name)
     return found
+
+
+def own_lists_refusal(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the float32 masters cannot serve ``optimizer`` (:func:`own_parameter_lists` found some), or None."""
+    kept = own_parameter_lists(optimizer)
+    if not kept:
+        return None
+    return (f"{type(optimizer).__name__} keeps its own list of its parameters, or another optimizer over them "
+            f"({', '.join(kept)}): its step would update the low-precision parameters there, or keep state the "
+            "float32 masters swapped into its param_groups and state never reach. Use an optimizer whose step reads "
+            "its param_groups (torch's do, LBFGS aside), or keep the weights float32 (weights=None)")
 
 
 def _ranks_share_writes() -> bool:
@@ -211,13 +222,9 @@ class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  masters: Mapping[nn.Parameter, torch.Tensor] | None = None) -> None:
         # not torch's __init__: the groups, the state and the hooks stay the wrapped optimizer's own
-        kept = own_parameter_lists(optimizer)
-        if kept:
-            raise MasterWeightsError(
-                f"{type(optimizer).__name__} keeps its own list of its parameters, or another optimizer over them "
-                f"({', '.join(kept)}): its step would update the low-precision parameters there, or keep state "
-                "the float32 masters swapped into its param_groups and state never reach. Use an optimizer whose "
-                "step reads its param_groups (torch's do, LBFGS aside), or no float32 masters (weights=None)")
+        reason = own_lists_refusal(optimizer)
+        if reason is not None:
+            raise MasterWeightsError(reason)
         self.optimizer = optimizer
         self.defaults = optimizer.defaults
         for table in _HOOK_TABLES:  # hooks registered on either are the same hooks

@@ -49,6 +49,24 @@ def _feed(model: nn.Module, ref: list[torch.Tensor]) -> None:
         r.grad = p.grad.float()
 
 
+def _lean(model: nn.Module, make=lambda ps: torch.optim.AdamW(ps, lr=1e-2)):  # type: ignore[no-untyped-def]
+    """``model`` with bfloat16 weights and float32 masters, under the optimizer ``make`` builds."""
+    return memory_lean(model, make(model.parameters()), backend="cpu", weights=torch.bfloat16)
+
+
+def _train(model: nn.Module, lean, steps: int, ref=None, ref_opt=None, x: torch.Tensor = X) -> None:  # type: ignore[no-untyped-def]
+    """``steps`` lean steps; with ``ref``, torch's ``ref_opt`` steps the float32 copies beside, fed the same
+    gradients upcast."""
+    for _ in range(steps):
+        lean.optimizer.zero_grad()
+        _backward(model, x)
+        if ref is not None:
+            _feed(model, ref)
+        lean.optimizer.step()
+        if ref_opt is not None:
+            ref_opt.step()
+
+
 class _Renormed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -92,11 +110,8 @@ def test_a_write_that_changes_no_value_keeps_the_masters_as_torch_keeps_float32_
 
 def test_a_clamp_gives_its_clipped_elements_the_new_value_and_keeps_the_others_masters():
     model = _mlp()
-    lean = memory_lean(model, torch.optim.AdamW(model.parameters(), lr=1e-2), backend="cpu", weights=torch.bfloat16)
-    for _ in range(3):
-        lean.optimizer.zero_grad()
-        _backward(model)
-        lean.optimizer.step()
+    lean = _lean(model)
+    _train(model, lean, 3)
     weight = model[0].weight
     before, held = lean.masters[weight].clone(), weight.detach().clone()
     bound = float(before.abs().quantile(0.5))
@@ -115,15 +130,10 @@ def test_optimizer_state_made_in_low_precision_before_the_masters_is_widened():
     moments float32 (it raised a dtype error)."""
     model = _mlp().to(torch.bfloat16)
     make = lambda ps: torch.optim.Adagrad(ps, lr=1e-2)  # noqa: E731
-    lean = memory_lean(model, make(model.parameters()), backend="cpu", weights=torch.bfloat16)
+    lean = _lean(model, make)
     ref = _copies(lean, model)
     ref_opt = make(ref)
-    for _ in range(20):
-        lean.optimizer.zero_grad()
-        _backward(model, X.bfloat16())
-        _feed(model, ref)
-        lean.optimizer.step()
-        ref_opt.step()
+    _train(model, lean, 20, ref, ref_opt, x=X.bfloat16())
     assert lean.optimizer.state[model[0].weight]["sum"].dtype == torch.float32
     assert all(torch.equal(lean.masters[p], r.detach()) for p, r in zip(model.parameters(), ref))
 
@@ -169,11 +179,8 @@ def test_an_optimizer_keeping_its_own_parameter_list_is_refused_with_nothing_cha
 
 def test_model_half_after_bfloat16_weights_keeps_the_masters_and_the_step_rounds_them_to_float16():
     model = _mlp()
-    lean = memory_lean(model, torch.optim.AdamW(model.parameters(), lr=1e-2), backend="cpu", weights=torch.bfloat16)
-    for _ in range(2):
-        lean.optimizer.zero_grad()
-        _backward(model)
-        lean.optimizer.step()
+    lean = _lean(model)
+    _train(model, lean, 2)
     before = {n: lean.masters[p].clone() for n, p in model.named_parameters()}
     model.half()
     assert all(torch.equal(lean.masters[p], before[n]) for n, p in model.named_parameters())
@@ -306,15 +313,10 @@ def test_the_wrapped_optimizers_public_methods_run_on_the_masters():
     copies, bitwise; a plain attribute reads through; a private one does not."""
     model = _mlp()
     make = lambda ps: _SwapsWeights(ps, lr=0.1)  # noqa: E731
-    lean = memory_lean(model, make(model.parameters()), backend="cpu", weights=torch.bfloat16)
+    lean = _lean(model, make)
     ref = _copies(lean, model)
     ref_opt = make(ref)
-    for _ in range(3):
-        lean.optimizer.zero_grad()
-        _backward(model)
-        _feed(model, ref)
-        lean.optimizer.step()
-        ref_opt.step()
+    _train(model, lean, 3, ref, ref_opt)
     lean.optimizer.eval()
     ref_opt.eval()
     assert all(torch.equal(lean.masters[p], r.detach()) for p, r in zip(model.parameters(), ref))
@@ -355,17 +357,12 @@ def test_an_optimizer_over_another_is_refused_and_a_step_hook_may_call_the_optim
 
     model = _mlp()
     make = lambda ps: _WithGetter(ps, lr=1e-2)  # noqa: E731
-    lean = memory_lean(model, make(model.parameters()), backend="cpu", weights=torch.bfloat16)
+    lean = _lean(model, make)
     ref = _copies(lean, model)
     ref_opt = make(ref)
     seen = []
     lean.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(lean.optimizer.current_lr()))
-    for _ in range(3):
-        lean.optimizer.zero_grad()
-        _backward(model)
-        _feed(model, ref)
-        lean.optimizer.step()
-        ref_opt.step()
+    _train(model, lean, 3, ref, ref_opt)
     assert seen == [1e-2] * 3
     assert all(torch.equal(lean.masters[p], r.detach()) for p, r in zip(model.parameters(), ref))
     lean.optimizer.optimizer.warmup = 10
