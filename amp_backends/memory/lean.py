@@ -64,7 +64,7 @@ from .activations import FusedActivations, fused_activations
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
 from .compile_once import compile_once, uses_compile_per_call
 from .dropout_masks import DropoutMasks, pack_dropout_masks
-from .master import LOW_PRECISION, MasterWeights, own_lists_refusal
+from .master import LOW_PRECISION, MasterWeights, own_lists_refusal, widen_state
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import LowPrecisionSaves, low_precision_saves
 from .shared_casts import SharedCasts, share_casts
@@ -191,6 +191,8 @@ class Lean:
                 for p in self._lowered:
                     if p.dtype in LOW_PRECISION:
                         p.data = p.data.float()
+                        if optimizer is not None:
+                            widen_state(optimizer, p)  # (its moments: float32 as the parameter's own would be)
         _ON.pop(self.model, None)
         self._lowered, self._saves, self._head = [], None, None
         self.optimizer = optimizer

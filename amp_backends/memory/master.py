@@ -52,7 +52,7 @@ from .master_buffers import Flats, consolidate, float32_grads, grad_key, grads_o
 from .master_buffers import inverse as inverse_of
 from .master_unscale import ExactUnscale
 
-__all__ = ["LOW_PRECISION", "MasterWeights", "MasterWeightsError", "own_lists_refusal", "own_parameter_lists"]
+__all__ = ["LOW_PRECISION", "MasterWeights", "MasterWeightsError", "own_lists_refusal", "own_parameter_lists", "widen_state"]
 
 #: The parameter dtypes that get a float32 master.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -121,9 +121,10 @@ def _ranks_share_writes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _widen_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> None:
-    """``optimizer``'s state for ``p`` made before ``p`` had a master (an optimizer that stepped, or was
-    built, on low-precision parameters: Adagrad's sums), in float32 as the masters' own would be."""
+def widen_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> None:
+    """``optimizer``'s low-precision state for ``p`` in float32: made before ``p`` had a master (an
+    optimizer that stepped, or was built, on low-precision parameters: Adagrad's sums), as the masters'
+    own would be; or kept while ``p`` was low precision, once it is float32 again."""
     state = optimizer.state.get(p)
     if state:
         for key, value in state.items():
@@ -237,7 +238,7 @@ class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
         #: whether the groups list the masters now (inside :meth:`on_masters`: a step, a hook of it)
         self._swapped = False
         for p in self.masters:
-            _widen_state(self.optimizer, p)
+            widen_state(self.optimizer, p)
         #: float32 values a load_state_dict gave a parameter (taken exactly at the next sync)
         self._loaded: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks: list[Any] = []
@@ -328,7 +329,7 @@ class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
                     self.masters[p] = p.detach().float()
                     created += 1
                     stamps[p] = _stamp(p)
-                    _widen_state(self.optimizer, p)
+                    widen_state(self.optimizer, p)
                 continue
             if stamps[p] == _stamp(p):
                 continue
