@@ -125,19 +125,13 @@ class Lean:
         return {name: found[id(m)] for name, m in self.model.named_modules() if id(m) in found}
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's ``state_dict`` with each low-precision weight's float32 master (same keys), or its
-        value upcast where it has none: what a plain float32 model of the same architecture loads."""
-        if isinstance(self.optimizer, MasterWeights):
-            self.optimizer.sync()
-        masters = {id(p): m for p, m in self.masters.items()}
-        lowered = {id(p) for p in self._lowered}
+        """The model's ``state_dict`` (which gives each low-precision weight's float32 master, same keys),
+        with the weights that have none upcast: what a plain float32 model of the same architecture loads."""
+        masters = self.masters
+        lowered = {id(p) for p in self._lowered if p not in masters}
         state = self.model.state_dict()
         for name, p in self.model.named_parameters(remove_duplicate=False):
-            if name not in state:
-                continue
-            if id(p) in masters:
-                state[name] = masters[id(p)].detach().clone()
-            elif id(p) in lowered and p.dtype in LOW_PRECISION:
+            if name in state and id(p) in lowered and p.dtype in LOW_PRECISION:
                 state[name] = p.detach().float()
         return state
 
