@@ -120,6 +120,30 @@ top_saved_tensors_hooks = _entry(
     checked_on=AFTER_2_4)
 functorch_transforms_active = _entry("torch._C._are_functorch_transforms_active",
                                     "none: the shared casts hand each layer its own cast (nothing shared)")
+function_mode_stack = _entry("torch.overrides._get_current_function_mode_stack",
+                             "none: the activations' outputs are not recomputed on such a torch while any mode is on")
+len_function_stack = _entry("torch._C._len_torch_function_stack", "none: as _get_current_function_mode_stack")
+
+
+def function_modes_on() -> bool:
+    """Whether a ``TorchFunctionMode`` other than the default device's (``torch.set_default_device``) is
+    on: it may change what a function computes, and a recomputation in backward runs outside it."""
+    count = len_function_stack
+    if count is None or not count():
+        return False
+    stack = function_mode_stack
+    return stack is None or any(type(m).__module__ != "torch.utils._device" for m in stack())
+
+
+FORWARD_AD_LEVEL = _entry("torch.autograd.forward_ad._current_level", "none: forward-mode AD taken as off (the "
+                          "low-precision saves then refuse a dual input, as a Function without jvp does)", lazy=True)
+
+
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``), read now."""
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
 push_saved_tensors_hooks = _entry("torch._C._autograd._push_saved_tensors_default_hooks",
                                   "torch.autograd.graph.saved_tensors_hooks, whose __enter__ calls it (not taken: "
                                   "every supported torch has it)")

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdRef
 
+from .. import torch_private
 from . import substitutes
 from .activation_outputs import _may_become_pure, pure_function
 from .shared_casts import autocast_copy_dtype
@@ -132,8 +133,8 @@ def _made(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
     """Forward hook of an up-projection: note its output and input, for the activation that reads it."""
     if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or len(args) != 1
             or not isinstance(out, torch.Tensor) or not isinstance(args[0], torch.Tensor)
-            or not out.requires_grad or args[0].dtype != out.dtype):
-        return
+            or not out.requires_grad or args[0].dtype != out.dtype or torch_private.function_modes_on()):
+        return  # (a function mode may have changed the output: its recomputation would run outside it)
     kind = _kind(module)
     if kind is None or not isinstance(module.weight, nn.Parameter):
         return  # weights that are not its parameters (functional_call, FSDP1's views)

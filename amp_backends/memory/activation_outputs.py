@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import torch_private
 from . import substitutes
-from .activations import _approximate, _FusedGelu
+from .activations import _approximate, _FusedGelu, class_forward_is_its_own
 from .substitutes import SubstituteSourceEdited
 
 __all__ = ["ActivationOutputs", "RecomputedInputEdited", "pure_function", "recompute_activation_outputs"]
@@ -65,10 +66,10 @@ def pure_function(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] |
         return functools.partial(F.gelu, approximate=own.approximate) if isinstance(own, _FusedGelu) else None
     kind = type(module)
     if kind in _TORCH:
-        return _TORCH[kind](module)
+        return _TORCH[kind](module) if class_forward_is_its_own(kind) else None
     if kind.__module__ != "transformers.activations" or kind.__qualname__ not in _TRANSFORMERS:
         return None
-    if kind.forward.__qualname__ != f"{kind.__qualname__}.forward":  # a kernel put in its place
+    if not class_forward_is_its_own(kind):  # a kernel put in its place, or a wrapper around it
         return None
     if kind.__qualname__ == "SiLUActivation":
         return F.silu
@@ -81,8 +82,8 @@ def _tag(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     if (torch.compiler.is_compiling() or not torch.is_grad_enabled() or len(args) != 1
             or not isinstance(output, torch.Tensor) or not isinstance(args[0], torch.Tensor)
             or not output.requires_grad or output is args[0] or output._base is not None
-            or output.dtype != args[0].dtype):
-        return
+            or output.dtype != args[0].dtype or torch_private.function_modes_on()):
+        return  # (a function mode may have changed the output: its recomputation would run outside it)
     if substitutes.others_hooked(module, _tag):  # they may have replaced or edited the output: not the function's
         substitutes.stand_aside(module, _tag, "activation_outputs")
         return

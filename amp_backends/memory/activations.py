@@ -41,10 +41,19 @@ FUSED: dict[str, str] = {
 }
 
 
+def class_forward_is_its_own(kind: type[nn.Module]) -> bool:
+    """Whether ``kind.forward`` is the one its module defined for it: not replaced on the class (a
+    function of another name, or one wrapped with ``functools.wraps``, which keeps the name but sets
+    ``__wrapped__``: a fake-quantizing patch), so that its function is the one known by the class."""
+    forward = kind.__dict__.get("forward")
+    return (forward is not None and getattr(forward, "__qualname__", None) == f"{kind.__qualname__}.forward"
+            and getattr(forward, "__module__", None) == kind.__module__ and not hasattr(forward, "__wrapped__"))
+
+
 def _approximate(module: nn.Module) -> str | None:
     """``F.gelu``'s ``approximate`` for the function ``module`` computes, or None where it is not a written-out GELU."""
     kind = FUSED.get(f"{type(module).__module__}.{type(module).__qualname__}")
-    if kind is None:
+    if kind is None or not class_forward_is_its_own(type(module)):
         return None
     if kind == "none":  # transformers' GELUActivation: F.gelu already, unless built with use_gelu_python
         act = getattr(module, "act", None)
@@ -61,8 +70,8 @@ class _FusedGelu:
     def __init__(self, module: nn.Module, previous: Any, approximate: str) -> None:
         self.module, self.previous, self.approximate = module, previous, approximate
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(x, approximate=self.approximate)
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  # (the name the module's forward takes)
+        return F.gelu(input, approximate=self.approximate)
 
 
 class FusedActivations(patches.Wrapped):

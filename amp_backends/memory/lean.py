@@ -244,11 +244,35 @@ def _wrapped_by_ddp(model: nn.Module) -> bool:
     return any(any(m is model for m in w.module.modules()) for w in wrappers)
 
 
+def _carried_levers(model: nn.Module) -> str | None:
+    """Where ``model`` holds a lever this package's memory levers install (a forward set on a module, a
+    forward hook), said; None where it holds none."""
+    def ours(fn: Any) -> bool:
+        owner = fn if isinstance(fn, type) or hasattr(fn, "__code__") else type(fn)  # (a function, or a callable object)
+        return str(getattr(owner, "__module__", "")).startswith(__package__ + ".")
+
+    for name, module in model.named_modules():
+        forward = vars(module).get("forward")
+        if forward is not None and ours(forward):
+            return f"{name or 'the model'}'s forward is {type(forward).__name__}"
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for hook in hooks.values():
+                if ours(getattr(hook, "__func__", hook)):
+                    return f"{name or 'the model'} has the forward hook {getattr(hook, '__qualname__', type(hook).__name__)}"
+    return None
+
+
 def _check(model: Any, optimizer: Any, weights: Any, master: bool, lm_head: Any, backend: Any) -> tuple[Any, Any]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"memory_lean takes a torch.nn.Module, got {type(model).__name__}")
     if model in _ON:
         raise LeanError("memory_lean: already on for this model; call remove() on the handle it returned first")
+    carried = _carried_levers(model)
+    if carried is not None:
+        raise LeanError(f"memory_lean: this model has memory levers on already ({carried}): turned on by hand "
+                        "(selective_recompute, low_precision_saves...: take them off with their handle's remove()), or "
+                        "brought along by a copy of a lean model (deepcopy, torch.load), which a handle of its own could "
+                        "not take off: copy the model before memory_lean or after lean.remove(), or use the copy as it is")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or _wrapped_by_ddp(model):
         raise LeanError("memory_lean on a model DistributedDataParallel already wraps: DDP's reducer holds the "
                         "float32 parameters and would stop reducing the low-precision ones; call memory_lean on "

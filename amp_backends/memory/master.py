@@ -30,6 +30,8 @@ made float32 again (``model.float()``) gets its master's value and needs none; a
 parameter without a master (a model already in bfloat16, ``model.to(torch.bfloat16)`` later, a
 parameter group added later) gets one. Writes through ``p.data`` are invisible to the version
 counter (as they are to autograd) and are overwritten by the next step: write through the parameter.
+With :meth:`MasterWeights.watch_loads`, the model's own ``state_dict`` gives the masters, and a load
+gives them exact values (:mod:`.master_checkpoints`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -48,6 +49,7 @@ from torch import nn
 
 from ..errors import AmpBackendsError
 from ..torch_private import FakeTensor, foreach_mul
+from .master_checkpoints import Copies, exact_values, give_masters, watch_state_dicts
 from .master_buffers import Flats, consolidate, float32_grads, grad_key, grads_of, round_into
 from .master_buffers import inverse as inverse_of
 from .master_unscale import ExactUnscale
@@ -153,33 +155,6 @@ def _take_write(p: nn.Parameter, master: torch.Tensor, low: torch.dtype, loaded:
     master.copy_(torch.where(p == rounded, kept, p.to(kept.dtype)))
 
 
-class _LoadWatch:
-    """The ``load_state_dict`` pre-hook of a module with parameters that have masters: the wrapper it
-    reports to is held weakly (a model kept for inference does not keep the optimizer's state alive),
-    and a pickled or deep-copied model carries a watch that reports to no one (its parameters are new)."""
-
-    def __init__(self, owner: MasterWeights | None) -> None:
-        self.owner = None if owner is None else weakref.ref(owner)
-
-    def __call__(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
-        owner = None if self.owner is None else self.owner()
-        if owner is not None:
-            owner._on_load(module, state_dict, prefix)
-
-    def __reduce__(self) -> tuple[Any, tuple[None]]:
-        return type(self), (None,)
-
-
-class _SaveWatch(_LoadWatch):
-    """The ``state_dict`` post-hook of such a module: each of its parameters with a master given as the
-    master (float32, a copy), held as :class:`_LoadWatch` holds it."""
-
-    def __call__(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
-        owner = None if self.owner is None else self.owner()
-        if owner is not None:
-            owner._on_save(module, state_dict, prefix)
-
-
 class _ThroughToWrapped:
     """The wrapped optimizer's public attributes, read and set through the wrapper (which keeps it as
     ``optimizer`` and provides :meth:`MasterWeights.on_masters`)."""
@@ -252,8 +227,8 @@ class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
         #: float32 values a load_state_dict gave a parameter (taken exactly at the next sync)
         self._loaded: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks: list[Any] = []
-        #: id of a master -> (the master, its copy a state_dict gave, their versions then): see _copy_of
-        self._copies: dict[int, tuple[Any, Any, int, int]] = {}
+        #: the copies of the masters a state_dict gave (one a master while neither is written)
+        self._copies = Copies()
         #: parameter -> (its exact float32 gradient after unscale_, (id, version) of its gradient then)
         self._exact: dict[nn.Parameter, tuple[torch.Tensor, tuple[Any, int]]] = {}
         self._warned_new = self._warned_changed = False
@@ -296,7 +271,7 @@ class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
                          for p in group["params"][:1])
         with torch.no_grad():
             self._flats = consolidate(self.masters, self._flats, self._fake)
-        self._copies = {}
+        self._copies = Copies()
         masters = self.masters
         self._lists = [[masters.get(p, p) for p in group["params"]] for group in self.optimizer.param_groups]
         self._with_master = list(masters)
@@ -305,47 +280,16 @@ class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
     # -- taking in what others wrote -------------------------------------------------------------------
     def watch_loads(self, model: nn.Module) -> None:
         """``model``'s (and any submodule's) ``state_dict`` gives each parameter with a master as its
-        master (float32: what a checkpoint of the model holds, ``save_pretrained``'s and a trainer's
-        included), and ``load_state_dict`` gives the master the exact float32 value loaded, instead of its
-        rounding."""
-        owners = {id(p) for p in self.masters}
-        for module in model.modules():
-            if any(id(p) in owners for p in module._parameters.values() if p is not None):
-                self._hooks.append(module._register_load_state_dict_pre_hook(_LoadWatch(self), with_module=True))
-                # (torch 2.4 has only the private registration, of the same hook)
-                register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
-                self._hooks.append(register(_SaveWatch(self)))
+        master, and ``load_state_dict`` gives the master the exact float32 value loaded
+        (:mod:`.master_checkpoints`)."""
+        self._hooks = watch_state_dicts(model, self, self.masters)
 
     def _on_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
-        for name, p in module._parameters.items():
-            value = state_dict.get(prefix + name)
-            if (p is not None and p in self.masters and isinstance(value, torch.Tensor) and value.shape == p.shape
-                    and value.is_floating_point() and value.dtype not in LOW_PRECISION):
-                self._loaded[p] = value  # (a low-precision value is no more exact than the parameter: a write)
+        self._loaded.update(exact_values(module, state_dict, prefix, self.masters))
 
     def _on_save(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str) -> None:
-        """Each of ``module``'s parameters with a master, in ``state_dict``, replaced by a copy of the
-        master (not where ``keep_vars`` gave the parameter itself); one copy per master while neither
-        changes, so that tied weights stay one tensor."""
         self.sync()
-        for name, p in module._parameters.items():
-            key = prefix + name
-            master = None if p is None else self.masters.get(p)
-            if master is not None and key in state_dict and state_dict[key] is not p:
-                state_dict[key] = self._copy_of(master)  # type: ignore[index]  # (a dict: torch's own)
-
-    def _copy_of(self, master: torch.Tensor) -> torch.Tensor:
-        """A copy of ``master`` (not a view of the buffer the masters share: a save would write it all),
-        the same one again while neither it nor the master was written."""
-        known = self._copies.get(id(master))
-        if known is not None:
-            of, copy, master_version, copy_version = known
-            made = copy()
-            if of() is master and made is not None and master._version == master_version and made._version == copy_version:
-                return made
-        made = master.detach().clone()
-        self._copies[id(master)] = (weakref.ref(master), weakref.ref(made), master._version, made._version)
-        return made
+        give_masters(module, state_dict, prefix, self.masters, self._copies)
 
     def unwatch(self) -> None:
         for handle in self._hooks:

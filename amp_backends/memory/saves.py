@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import patches
+from .. import patches, torch_private
 from ..eager import eager
 from ..torch_private import DisableTorchDispatch
 
@@ -67,7 +67,7 @@ class _Fp32SavingLow(torch.autograd.Function):
         ctx.save_for_backward(x, *[p if isinstance(p, torch.Tensor) else None for p in params])
         ctx.plain = [None if isinstance(p, torch.Tensor) else p for p in params]
         with torch.no_grad():
-            return fn(x.float(), *params)
+            return fn(x.float(), *_upcast(params))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -76,14 +76,14 @@ class _Fp32SavingLow(torch.autograd.Function):
         needs = ctx.needs_input_grad[1:]
         higher = torch.is_grad_enabled()
         if higher:  # create_graph=True: differentiate the recomputation itself (second order kept)
-            out = ctx.fn(x.float(), *params)
+            out = ctx.fn(x.float(), *_upcast(params))
             leaves = [x, *params]
         else:
             with torch.enable_grad():
                 x32 = x.detach().float().requires_grad_(needs[0])
                 leaves = [x32, *[p.detach().requires_grad_(need) if isinstance(p, torch.Tensor) else p
                                  for p, need in zip(params, needs[1:])]]
-                out = ctx.fn(*leaves)
+                out = ctx.fn(x32, *_upcast(leaves[1:]))
         wanted = [t for t, need in zip(leaves, needs) if need and isinstance(t, torch.Tensor)]
         with torch.enable_grad():
             got = torch.autograd.grad(out, wanted, grad, create_graph=higher,
@@ -93,6 +93,12 @@ class _Fp32SavingLow(torch.autograd.Function):
         if result[0] is not None:
             result[0] = result[0].to(x.dtype)
         return (None, *result)
+
+
+def _upcast(params: Any) -> list[Any]:
+    """The low-precision tensors among ``params`` in float32, as autocast casts every floating argument
+    of an op it runs in float32 (a bfloat16 model's norm weights)."""
+    return [p.float() if isinstance(p, torch.Tensor) and p.dtype in _LOW else p for p in params]
 
 
 def _layer_norm(x: torch.Tensor, weight: Any, bias: Any, shape: Any, eps: float) -> torch.Tensor:
@@ -117,14 +123,18 @@ class _SavesLow:
     def __init__(self, module: nn.Module, previous: Any) -> None:
         self.module, self.previous = module, previous
 
-    def _plain(self, x: torch.Tensor) -> torch.Tensor:
-        return self.previous(x) if self.previous is not None else type(self.module).forward(self.module, x)
+    def _plain(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.module
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            return self._plain(*args, **kwargs)  # (called as ln(input=x): as the module's own forward takes it)
+        m, x = self.module, args[0]
         device_type = x.device.type
         if (x.dtype not in _LOW or not torch.is_autocast_enabled(device_type)
-                or torch.get_autocast_dtype(device_type) != x.dtype):
+                or torch.get_autocast_dtype(device_type) != x.dtype or _transformed()):
             return self._plain(x)
         if isinstance(m, nn.LayerNorm):
             op, fn, params = "layer_norm", _layer_norm, (m.weight, m.bias, tuple(m.normalized_shape), m.eps)
@@ -134,10 +144,18 @@ class _SavesLow:
             op, fn, params = "log_softmax", _log_softmax, (m.dim,)
         else:
             op, fn, params = "softmax", _softmax, (m.dim,)
-        if not autocast_runs_in_fp32(device_type, x.dtype, op) or (op == "softmax" and m.dim is None):
+        if not autocast_runs_in_fp32(device_type, x.dtype, op) or (op != "layer_norm" and op != "group_norm"
+                                                                    and m.dim is None):  # (softmax's implicit dim)
             return self._plain(x)
         with torch.autocast(device_type, enabled=False):
             return _Fp32SavingLow.apply(fn, x, *params)
+
+
+def _transformed() -> bool:
+    """Inside ``torch.func``'s transforms or forward-mode AD, which an autograd Function needs rules of its
+    own for (``setup_context``, ``vmap``, ``jvp``): there the op runs as autocast runs it."""
+    active = torch_private.functorch_transforms_active
+    return (active is not None and active()) or torch_private.forward_ad_active()
 
 
 class LowPrecisionSaves(patches.Wrapped):

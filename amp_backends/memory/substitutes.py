@@ -158,10 +158,11 @@ class _Stored:
     force before, and where the view lies in the tensor."""
 
     __slots__ = ("base_layout", "make", "offset", "packed", "scope", "size", "source", "source_layout", "stride",
-                 "version", "what")
+                 "tensor", "tensor_version", "version", "what")
 
     def __init__(self, scope: _Scope, packed: Any, tag: _Tag, view: torch.Tensor, base: torch.Tensor) -> None:
         self.scope, self.packed, self.make, self.what = scope, packed, tag.remade, tag.what
+        self.tensor, self.tensor_version = tag.tensor, base._version  # (the saved tensor: edited, refused as autograd does)
         self.source, self.version = WeakIdRef(tag.source), tag.source._version
         self.source_layout = (tag.source.size(), tag.source.stride())
         self.size, self.stride = view.size(), view.stride()
@@ -236,12 +237,33 @@ class HooksOver:
     def pass_on(self, t: torch.Tensor) -> Any:
         """A save not stored here, to the hooks beneath; where there are none, detached: a saved output
         handed back as it is would hold its own grad_fn, a cycle through C++ that no collection frees where
-        the graph never runs backward (autograd gives the unpacked tensor its grad_fn again)."""
-        return t.detach() if self.outer_pack is None else self.outer_pack(t)
+        the graph never runs backward (autograd gives the unpacked tensor its grad_fn again). With its
+        version: autograd checks none under hooks, and :meth:`unpack_outer` refuses an edit as it would."""
+        return _Passed(t.detach(), t._version) if self.outer_pack is None else self.outer_pack(t)
 
     def unpack_outer(self, packed: Any) -> torch.Tensor:
-        """What :meth:`pass_on` stored (or the hooks beneath packed), unpacked."""
-        return packed if self.outer_unpack is None else self.outer_unpack(packed)
+        """What :meth:`pass_on` stored (or the hooks beneath packed), unpacked: an edit in place since the
+        save refused, as autograd refuses it (a weight an optimizer stepped between forward and backward)."""
+        if self.outer_unpack is not None:
+            return self.outer_unpack(packed)
+        if type(packed) is not _Passed:
+            return packed  # (a tensor of the hooks' own)
+        t = packed.tensor
+        if t._version != packed.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {packed.version} instead "
+                "(saved under a memory_lean lever's saved-tensor hooks; edit a copy, or step after the backward)")
+        return t
+
+
+class _Passed:
+    """A save passed on with no hooks beneath: the tensor detached, and its version at the save."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
+        self.tensor, self.version = tensor, version
 
 
 class _Scope(HooksOver):
@@ -286,6 +308,12 @@ class _Scope(HooksOver):
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Stored) or packed.scope is not self:
             return self.unpack_outer(packed)
+        saved = packed.tensor()
+        if saved is not None and saved._version != packed.tensor_version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{saved.type()} {list(saved.shape)}] is at version {saved._version}; expected version "
+                f"{packed.tensor_version} instead (saved under a memory_lean lever's saved-tensor hooks; edit a copy)")
         source: torch.Tensor = self.unpack_outer(packed.packed)
         if source is packed.source() and source._version != packed.version:
             raise SubstituteSourceEdited(
