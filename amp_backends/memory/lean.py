@@ -68,6 +68,7 @@ from .master import LOW_PRECISION, MasterWeights, own_lists_refusal, widen_state
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import LowPrecisionSaves, low_precision_saves
 from .shared_casts import SharedCasts, share_casts
+from .under_autocast import UnderAutocast, under_autocast
 
 __all__ = ["Lean", "LeanError", "memory_lean"]
 
@@ -95,13 +96,14 @@ class Lean:
                  saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None,
                  recompute: Recompute | None = None, activations: FusedActivations | None = None,
                  outputs: ActivationOutputs | None = None, casts: SharedCasts | None = None,
-                 inputs: ActivationInputs | None = None, masks: DropoutMasks | None = None) -> None:
+                 inputs: ActivationInputs | None = None, masks: DropoutMasks | None = None,
+                 autocast: UnderAutocast | None = None) -> None:
         self.model, self.optimizer, self.weights = model, optimizer, weights
         #: parameter name -> why it stayed float32 (of those the optimizer trains)
         self.kept = kept
         self._lowered, self._saves, self._head, self._recompute = lowered, saves, head, recompute
         self._activations, self._outputs, self._casts, self._inputs = activations, outputs, casts, inputs
-        self._masks = masks
+        self._masks, self._autocast = masks, autocast
 
     @property
     def masters(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -164,6 +166,9 @@ class Lean:
         if self._masks is not None:
             self._masks.remove()
             self._masks = None
+        if self._autocast is not None:
+            self._autocast.remove()
+            self._autocast = None
         if self._head is not None:
             undo_lazy_head(self._head)
         if self._recompute is not None:
@@ -388,6 +393,8 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     masks = pack_dropout_masks(model) if dropout_masks else None
     if head is not None:
         lazy_head(head)
-    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts, inputs, masks)
+    autocast = under_autocast(model, weights, lowered[0]) if weights is not None and lowered else None
+    lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts, inputs, masks,
+                autocast)
     _ON[model] = True
     return lean

@@ -463,3 +463,33 @@ def test_save_pretrained_and_from_pretrained_in_float32_resume_the_masters_exact
     assert masters
     for name, p in model.named_parameters():
         assert torch.equal(names[name], masters.get(p, p)), name  # (the norms are kept float32: no master)
+
+
+def test_a_lean_model_called_without_autocast_runs_under_it() -> None:
+    """Llama's float32 RMSNorm (kept float32) feeding a bfloat16 linear: evaluation and ``generate``
+    without autocast raised a dtype error. The model's forward now opens autocast in the weights' dtype
+    where its caller opened none: bitwise the forward under the caller's autocast, ``generate`` runs,
+    the signature Transformers reads is the model's own; after ``remove()`` the forward is the class's."""
+    import inspect
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    signature = inspect.signature(model.forward)
+    lean = _lean(model)
+    assert any("RMSNorm" in why for why in lean.kept.values())
+    x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        alone = model(x).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under = model(x).logits
+        generated = model.generate(x, max_new_tokens=3, do_sample=False)
+    assert torch.equal(alone, under)
+    assert generated.shape == (2, 9)
+    assert inspect.signature(model.forward) == signature
+    lean.remove()
+    assert "forward" not in vars(model)
+    with torch.no_grad():
+        assert model(x).logits.dtype == torch.float32
