@@ -59,7 +59,7 @@ from ..precision.policy import fp32_modules
 from ..precision.selectors import NORM_TYPES
 from ..registry.registry import resolve_backend
 from .activation_inputs import ActivationInputs, recompute_activation_inputs
-from .activation_outputs import ActivationOutputs, recompute_activation_outputs
+from .activation_outputs import ActivationOutputs, pure_function, recompute_activation_outputs
 from .activations import FusedActivations, fused_activations
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
 from .compile_once import compile_once, uses_compile_per_call
@@ -198,6 +198,7 @@ class Lean:
         return optimizer
 
     def __repr__(self) -> str:
+        known = sum(pure_function(m) is not None for m in self._outputs.modules) if self._outputs is not None else 0
         parts = [f"weights {str(self.weights).replace('torch.', '')} with float32 masters" if self.masters else "",
                  f"weights {str(self.weights).replace('torch.', '')} without masters"
                  if self._lowered and not self.masters else "",
@@ -205,8 +206,8 @@ class Lean:
                  f"{len(self._recompute.blocks)} blocks recompute cheap ops" if self._recompute is not None else "",
                  f"low-precision saves on {len(self._saves.modules)} modules" if self._saves else "",
                  f"{len(self._activations.modules)} GELUs fused" if self._activations and self._activations.modules else "",
-                 f"{len(self._outputs.modules)} activations' outputs recomputed"
-                 if self._outputs is not None and self._outputs.active else "",
+                 f"{known} activations' outputs recomputed" if known and self._outputs is not None and self._outputs.active
+                 else "",  # (a written-out GELU is known once fused: not where activations=False)
                  f"autocast's copies shared by {len(self._casts.modules)} linears"
                  if self._casts is not None and self._casts.active else "",
                  f"{len(self._inputs.activations)} activations' inputs recomputed"

@@ -13,6 +13,7 @@ not covered: its caller opens autocast, as in training.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -31,15 +32,20 @@ class _AutocastForward:
 
     @property
     def __wrapped__(self) -> Any:  # (inspect.signature, and Transformers' generate, read the model's own)
-        return self.previous if self.previous is not None else type(self.module).forward.__get__(self.module)
+        return self.previous if self.previous is not None else types.MethodType(type(self.module).forward, self.module)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)  # (called so: dynamo reads a bound
+        # method of the class as the instance's attribute, which is this wrapper)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = self.__wrapped__
         device_type = self.probe.device.type
         if torch.is_autocast_enabled(device_type):
-            return forward(*args, **kwargs)
+            return self._forward(*args, **kwargs)
         with torch.autocast(device_type, dtype=self.dtype):
-            return forward(*args, **kwargs)
+            return self._forward(*args, **kwargs)
 
 
 class UnderAutocast(patches.Wrapped):

@@ -487,6 +487,8 @@ def test_a_lean_model_called_without_autocast_runs_under_it() -> None:
             under = model(x).logits
         generated = model.generate(x, max_new_tokens=3, do_sample=False)
     assert torch.equal(alone, under)
+    with torch.no_grad():  # compiled (dynamo read the class's forward as the wrapper: a recursion)
+        assert torch.equal(torch.compile(model, backend="eager")(x).logits, alone)
     assert generated.shape == (2, 9)
     assert inspect.signature(model.forward) == signature
     lean.remove()

@@ -268,3 +268,15 @@ def test_memory_lean_on_a_copy_of_a_lean_model_is_refused_naming_what_it_carries
     lean.remove()
     again = copy.deepcopy(model)
     memory_lean(again, None, backend="cpu").remove()  # a copy taken after remove() is plain
+
+
+def test_the_handle_counts_only_the_activations_whose_outputs_it_recomputes() -> None:
+    """GPT-2's written-out GELU is known only once ``activations`` runs it fused: with that lever off the
+    handle said "2 activations' outputs recomputed" where none was; now it says nothing of them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    for fused in (False, True):
+        torch.manual_seed(0)
+        lean = memory_lean(transformers.GPT2LMHeadModel(config), None, backend="cpu", activations=fused)
+        assert ("2 activations' outputs recomputed" in repr(lean)) == (fused and ACTIVE), repr(lean)
+        assert "0 activations' outputs" not in repr(lean)
