@@ -394,7 +394,7 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     masks = pack_dropout_masks(model) if dropout_masks else None
     if head is not None:
         lazy_head(head)
-    autocast = under_autocast(model, weights, lowered[0]) if weights is not None and lowered else None
+    autocast = under_autocast(model, weights, lowered[0]) if isinstance(weights, torch.dtype) and lowered else None
     lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts, inputs, masks,
                 autocast)
     _ON[model] = True

@@ -356,13 +356,13 @@ class StochasticAdamW(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         if self.compile:
             compiled = _compiled()
-            scalars = [torch.tensor(x, dtype=wide) for x in (1 - beta1, 1 - beta2, group["eps"])]
+            weight1, weight2, eps = (torch.tensor(x, dtype=wide) for x in (1 - beta1, 1 - beta2, group["eps"]))
             for chunk in plan.chunks:
                 p_views, m_views, v_views = chunk.views
                 g = chunk.gather(grads)
                 fused = compiled if chunk.numel > 1 else _fused  # (dynamo specialises a length of one: no graph for it)
                 new = fused(chunk.read(p_views), g, chunk.read(m_views), chunk.read(v_views),
-                            decay, lr, correction1, root2, *scalars, stochastic, moments)
+                            decay, lr, correction1, root2, weight1, weight2, eps, stochastic, moments)
                 del g
                 for views, value in zip(chunk.views, new):
                     chunk.write(views, value)
