@@ -24,7 +24,7 @@ __all__ = ["backward_hooked", "foreign_forward", "leaves_alone", "others_hooked"
 
 
 #: Modules whose hooks only observe (the memory ledger's attribution by module): they change nothing a lever does.
-_OBSERVERS = frozenset({"amp_backends.memory.ledger", "amp_backends.memory.substitutes"})
+_OBSERVERS = frozenset({"amp_backends.memory.ledger", "amp_backends.memory.substitutes", "amp_backends.memory.notices"})
 #: The levers that put hooks on layers: each knows what the others do to a layer's input and output (they
 #: compose: tested), so none stands aside for another's hook.
 _LEVERS = frozenset({"amp_backends.memory.shared_casts", "amp_backends.memory.activation_outputs",

@@ -68,7 +68,7 @@ from .master import LOW_PRECISION, MasterWeights, own_lists_refusal, widen_state
 from .recompute import Recompute, RecomputeError, selective_recompute
 from .saves import LowPrecisionSaves, low_precision_saves
 from .shared_casts import SharedCasts, share_casts
-from .under_autocast import UnderAutocast, under_autocast
+from .notices import Notices, notices, quiet_state_dict
 
 __all__ = ["Lean", "LeanError", "memory_lean"]
 
@@ -97,13 +97,13 @@ class Lean:
                  recompute: Recompute | None = None, activations: FusedActivations | None = None,
                  outputs: ActivationOutputs | None = None, casts: SharedCasts | None = None,
                  inputs: ActivationInputs | None = None, masks: DropoutMasks | None = None,
-                 autocast: UnderAutocast | None = None) -> None:
+                 notes: Notices | None = None) -> None:
         self.model, self.optimizer, self.weights = model, optimizer, weights
         #: parameter name -> why it stayed float32 (of those the optimizer trains)
         self.kept = kept
         self._lowered, self._saves, self._head, self._recompute = lowered, saves, head, recompute
         self._activations, self._outputs, self._casts, self._inputs = activations, outputs, casts, inputs
-        self._masks, self._autocast = masks, autocast
+        self._masks, self._notes = masks, notes
 
     @property
     def masters(self) -> dict[nn.Parameter, torch.Tensor]:
@@ -127,13 +127,22 @@ class Lean:
         return {name: found[id(m)] for name, m in self.model.named_modules() if id(m) in found}
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's ``state_dict`` (which gives each low-precision weight's float32 master, same keys),
-        with the weights that have none upcast: what a plain float32 model of the same architecture loads."""
-        masters = self.masters
-        lowered = {id(p) for p in self._lowered if p not in masters}
-        state = self.model.state_dict()
+        """The model's ``state_dict`` with each low-precision weight's float32 master (same keys; a copy,
+        tied weights one tensor), or its value upcast where it has none: what a plain float32 model of the
+        same architecture loads, and what resumes a lean run exactly (the model's own gives the rounding)."""
+        masters = {id(p): m for p, m in self.masters.items()}
+        lowered = {id(p) for p in self._lowered}
+        with quiet_state_dict(self._notes):
+            state = self.model.state_dict()
+        copies: dict[int, torch.Tensor] = {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
-            if name in state and id(p) in lowered and p.dtype in LOW_PRECISION:
+            if name not in state:
+                continue
+            if id(p) in masters:
+                if id(p) not in copies:
+                    copies[id(p)] = masters[id(p)].detach().clone()
+                state[name] = copies[id(p)]
+            elif id(p) in lowered and p.dtype in LOW_PRECISION:
                 state[name] = p.detach().float()
         return state
 
@@ -166,9 +175,9 @@ class Lean:
         if self._masks is not None:
             self._masks.remove()
             self._masks = None
-        if self._autocast is not None:
-            self._autocast.remove()
-            self._autocast = None
+        if self._notes is not None:
+            self._notes.remove()
+            self._notes = None
         if self._head is not None:
             undo_lazy_head(self._head)
         if self._recompute is not None:
@@ -394,8 +403,8 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     masks = pack_dropout_masks(model) if dropout_masks else None
     if head is not None:
         lazy_head(head)
-    autocast = under_autocast(model, weights, lowered[0]) if isinstance(weights, torch.dtype) and lowered else None
+    notes = notices(model, lowered[0], masters=master) if lowered else None
     lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts, inputs, masks,
-                autocast)
+                notes)
     _ON[model] = True
     return lean

@@ -30,8 +30,7 @@ made float32 again (``model.float()``) gets its master's value and needs none; a
 parameter without a master (a model already in bfloat16, ``model.to(torch.bfloat16)`` later, a
 parameter group added later) gets one. Writes through ``p.data`` are invisible to the version
 counter (as they are to autograd) and are overwritten by the next step: write through the parameter.
-With :meth:`MasterWeights.watch_loads`, the model's own ``state_dict`` gives the masters, and a load
-gives them exact values (:mod:`.master_checkpoints`).
+A low-precision value loaded is a write like any other (:mod:`.master_checkpoints`).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from torch import nn
 
 from ..errors import AmpBackendsError
 from ..torch_private import FakeTensor, foreach_mul
-from .master_checkpoints import Copies, exact_values, give_masters, watch_state_dicts
+from .master_checkpoints import exact_values, hook_loads
 from .master_buffers import Flats, consolidate, float32_grads, grad_key, grads_of, round_into
 from .master_buffers import inverse as inverse_of
 from .master_unscale import ExactUnscale
@@ -227,8 +226,6 @@ class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
         #: float32 values a load_state_dict gave a parameter (taken exactly at the next sync)
         self._loaded: dict[nn.Parameter, torch.Tensor] = {}
         self._hooks: list[Any] = []
-        #: the copies of the masters a state_dict gave (one a master while neither is written)
-        self._copies = Copies()
         #: parameter -> (its exact float32 gradient after unscale_, (id, version) of its gradient then)
         self._exact: dict[nn.Parameter, tuple[torch.Tensor, tuple[Any, int]]] = {}
         self._warned_new = self._warned_changed = False
@@ -271,7 +268,6 @@ class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
                          for p in group["params"][:1])
         with torch.no_grad():
             self._flats = consolidate(self.masters, self._flats, self._fake)
-        self._copies = Copies()
         masters = self.masters
         self._lists = [[masters.get(p, p) for p in group["params"]] for group in self.optimizer.param_groups]
         self._with_master = list(masters)
@@ -279,17 +275,12 @@ class MasterWeights(_ThroughToWrapped, ExactUnscale, torch.optim.Optimizer):
 
     # -- taking in what others wrote -------------------------------------------------------------------
     def watch_loads(self, model: nn.Module) -> None:
-        """``model``'s (and any submodule's) ``state_dict`` gives each parameter with a master as its
-        master, and ``load_state_dict`` gives the master the exact float32 value loaded
-        (:mod:`.master_checkpoints`)."""
-        self._hooks = watch_state_dicts(model, self, self.masters)
+        """Take the exact float32 values that ``load_state_dict`` (of ``model`` or any submodule) gives a
+        parameter with a master, instead of their rounding (:mod:`.master_checkpoints`)."""
+        self._hooks = hook_loads(model, self, self.masters)
 
     def _on_load(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any) -> None:
         self._loaded.update(exact_values(module, state_dict, prefix, self.masters))
-
-    def _on_save(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str) -> None:
-        self.sync()
-        give_masters(module, state_dict, prefix, self.masters, self._copies)
 
     def unwatch(self) -> None:
         for handle in self._hooks:

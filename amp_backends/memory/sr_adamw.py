@@ -14,7 +14,7 @@ underflow, and their updates round to nearest).
 
 torchao calls a compiled function once per parameter per step; here the parameters of one (device,
 dtype, step count) are laid end to end in float32 a chunk of :attr:`StochasticAdamW.chunk_numel`
-elements at a time, and each chunk is updated by the same 27 ops on element-sized tensors (21 with
+elements at a time, and each chunk is updated by the same 33 ops on element-sized tensors (23 with
 ``moments="nearest"``) whatever the number of parameters in it: ops dispatched per step grow with the
 parameters' size, not their count.
 
@@ -57,7 +57,15 @@ def _round_stochastically(x: torch.Tensor) -> torch.Tensor:
     bits``, which is where ``low bits + 65535 - rand`` carries into bit 16), in place on one buffer."""
     bits = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32)
     bits.neg_().add_(65535).add_(x.view(torch.int32)).bitwise_and_(-65536)  # 0xFFFF0000
-    return bits.view(torch.float32).bfloat16()
+    return _kept_nan(x, bits)
+
+
+def _kept_nan(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``bits`` (``x``'s, rounded) as bfloat16, a NaN of ``x`` kept: its bits plus the draw may carry
+    into the sign (0x7FFFFFFF, the NaN CUDA's float32 arithmetic makes, came out -0.0: a NaN update
+    silently zeroed)."""
+    rounded = bits.view(torch.float32)
+    return torch.where(x.isnan(), x, rounded, out=rounded).bfloat16()
 
 
 def _round_moment(x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +74,7 @@ def _round_moment(x: torch.Tensor) -> torch.Tensor:
     its moments so, and two ops fewer)."""
     bits = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32)
     bits.add_(x.view(torch.int32)).bitwise_and_(-65536)
-    return bits.view(torch.float32).bfloat16()
+    return _kept_nan(x, bits)
 
 
 def _fused(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, lr: torch.Tensor,
@@ -258,6 +266,15 @@ class StochasticAdamW(torch.optim.Optimizer):
         #: (it would hold memory a parameter given new data has left)
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._used: set[tuple[Any, ...]] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's (defaults, state, groups) and this optimizer's settings; the plans are remade."""
+        return {**super().__getstate__(), "chunk_numel": self.chunk_numel, "compile": self.compile, "moments": self.moments}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = {"chunk_numel": 1 << 22, "compile": False, "moments": "stochastic", **state}
+        super().__setstate__(state)
+        self._plans, self._used = {}, set()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, refusing a group that sets a switch this update has no part of (``maximize``...)."""

@@ -393,26 +393,23 @@ def _tied_steps(model: nn.Module, lean, steps: int) -> None:  # type: ignore[no-
         lean.optimizer.step()
 
 
-def test_the_models_state_dict_gives_the_masters_and_a_round_trip_through_it_keeps_them() -> None:
-    """``model.state_dict()`` (what ``save_pretrained``, trainers and snapshots save) gives each weight's
-    float32 master, a copy of its own (saving one bias writes its bytes, not the masters' buffer), tied
-    weights one tensor, ``keep_vars`` the parameters; ``model.load_state_dict`` of it leaves every
-    master bitwise as it was (it gave their rounding, which the masters then took as exact: 16,383 of
-    16,384 elements of a GPT-2 weight moved); a later step is bitwise that of a model never round-tripped."""
+def test_a_round_trip_through_the_models_state_dict_keeps_the_masters_and_lean_state_dict_gives_them() -> None:
+    """``model.state_dict()`` gives the parameters, as torch's does (a write through it reaches them), and
+    warns once that a checkpoint of it holds their rounding; ``model.load_state_dict`` of it leaves every
+    master bitwise (it made them their rounding: 16,383 of 16,384 elements of a GPT-2 weight moved), and
+    a later step is bitwise that of a model never round-tripped. ``lean.state_dict()`` gives the masters:
+    float32 copies (saving one bias writes its bytes, not the masters' buffer), tied weights one tensor."""
     model, twin = _Tied(), _Tied()
     lean, twin_lean = _lean(model), _lean(twin)
     _tied_steps(model, lean, 3)
     _tied_steps(twin, twin_lean, 3)
     masters = {name: lean.masters[p].clone() for name, p in model.named_parameters()}
-    state = model.state_dict()
-    assert {k: v.dtype for k, v in state.items()} == dict.fromkeys(state, torch.float32)
-    for name, value in masters.items():
-        assert torch.equal(state[name], value), name
-    assert state["head.weight"] is state["emb.weight"]
-    buffer = io.BytesIO()
-    torch.save(state["body.bias"], buffer)
-    assert len(buffer.getvalue()) < 2_000, len(buffer.getvalue())
-    assert all(isinstance(v, nn.Parameter) for v in model.state_dict(keep_vars=True).values())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = model.state_dict()
+        model.state_dict()
+    assert [str(w.message)[:40] for w in caught] == ["lean memory: model.state_dict() gives th"]
+    assert state["body.weight"].dtype == torch.bfloat16
     model.load_state_dict(copy.deepcopy(state))
     for name, p in model.named_parameters():
         assert torch.equal(lean.masters[p], masters[name]), name
@@ -420,6 +417,18 @@ def test_the_models_state_dict_gives_the_masters_and_a_round_trip_through_it_kee
     _tied_steps(twin, twin_lean, 1)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(lean.masters[p], twin_lean.masters[q]), name
+    exact = lean.state_dict()
+    assert {k: v.dtype for k, v in exact.items()} == dict.fromkeys(exact, torch.float32)
+    for name, p in model.named_parameters():
+        assert torch.equal(exact[name], lean.masters[p]), name
+    assert exact["head.weight"] is exact["emb.weight"]
+    buffer = io.BytesIO()
+    torch.save(exact["body.bias"], buffer)
+    assert len(buffer.getvalue()) < 2_000, len(buffer.getvalue())
+    with torch.no_grad():  # a write through the model's state_dict reaches the parameter (and then its master)
+        state = model.state_dict()
+        state["body.bias"].fill_(0.5)
+    assert torch.equal(lean.masters[model.body.bias], torch.full((16,), 0.5))
 
 
 def test_a_low_precision_state_dict_loaded_is_a_write_not_exact_values() -> None:
@@ -440,10 +449,10 @@ def test_a_low_precision_state_dict_loaded_is_a_write_not_exact_values() -> None
         assert torch.equal(lean.masters[p], expected), name
 
 
-def test_save_pretrained_and_from_pretrained_in_float32_resume_the_masters_exactly(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Transformers' own checkpoint of a lean GPT-2 (``save_pretrained``, as its Trainer saves): loaded
-    back in float32, every weight is its master bitwise (it held their bf16 rounding, and the tied
-    embedding stays one tensor: safetensors refuses shared buffers)."""
+def test_save_pretrained_of_the_lean_state_dict_resumes_the_masters_exactly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Transformers' own checkpoint of a lean GPT-2, ``save_pretrained(path, state_dict=lean.state_dict())``:
+    loaded back in float32, every weight is its master bitwise (the tied embedding one tensor: safetensors
+    refuses shared buffers)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
     torch.manual_seed(0)
@@ -455,7 +464,7 @@ def test_save_pretrained_and_from_pretrained_in_float32_resume_the_masters_exact
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(x, labels=x).loss.backward()
         lean.optimizer.step()
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path, state_dict=lean.state_dict())
     dtype = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"  # (4.x: its name)
     back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, **{dtype: torch.float32})
     names = dict(back.named_parameters())
@@ -465,33 +474,28 @@ def test_save_pretrained_and_from_pretrained_in_float32_resume_the_masters_exact
         assert torch.equal(names[name], masters.get(p, p)), name  # (the norms are kept float32: no master)
 
 
-def test_a_lean_model_called_without_autocast_runs_under_it() -> None:
-    """Llama's float32 RMSNorm (kept float32) feeding a bfloat16 linear: evaluation and ``generate``
-    without autocast raised a dtype error. The model's forward now opens autocast in the weights' dtype
-    where its caller opened none: bitwise the forward under the caller's autocast, ``generate`` runs,
-    the signature Transformers reads is the model's own; after ``remove()`` the forward is the class's."""
-    import inspect
-
+def test_a_lean_model_run_outside_autocast_warns_once_naming_the_way() -> None:
+    """Llama's float32 RMSNorm (kept float32) feeding a bfloat16 linear raises a dtype error outside
+    autocast; the model warns once, naming the backend's autocast, under which evaluation and ``generate``
+    run; under autocast no warning; ``remove()`` takes the hook off."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    signature = inspect.signature(model.forward)
     lean = _lean(model)
     assert any("RMSNorm" in why for why in lean.kept.values())
     x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        alone = model(x).logits
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            under = model(x).logits
-        generated = model.generate(x, max_new_tokens=3, do_sample=False)
-    assert torch.equal(alone, under)
-    with torch.no_grad():  # compiled (dynamo read the class's forward as the wrapper: a recursion)
-        assert torch.equal(torch.compile(model, backend="eager")(x).logits, alone)
+            generated = model.generate(x, max_new_tokens=3, do_sample=False)
+        assert not caught
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="dtype"):
+                model(x)
     assert generated.shape == (2, 9)
-    assert inspect.signature(model.forward) == signature
+    assert [str(w.message)[:57] for w in caught] == ["lean memory: the model ran outside autocast with bfloat16"]
+    assert "be.autocast()" in str(caught[0].message)
     lean.remove()
-    assert "forward" not in vars(model)
-    with torch.no_grad():
-        assert model(x).logits.dtype == torch.float32
+    assert not model._forward_pre_hooks

@@ -237,7 +237,7 @@ def test_a_step_is_a_constant_number_of_ops_whatever_the_number_of_parameters() 
     parameters of the same total size (torchao's step calls its compiled update once per parameter)."""
     few, many = _ops(4, 4096), _ops(256, 4096)
     assert few == many, (few, many)
-    assert few <= 27, few
+    assert few <= 33, few
 
 
 class _Live(TorchDispatchMode):
@@ -533,3 +533,41 @@ def test_remove_gives_the_optimizer_float32_moments_with_its_float32_parameters(
     assert opt.state[model[0].weight]["exp_avg"].dtype == torch.float32
     _steps(model, opt, range(2, 3), lean=False)
     assert opt.state[model[0].weight]["exp_avg_sq"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("rounding", ["parameters", "moments"])
+def test_a_nan_stays_nan_through_the_stochastic_rounding(rounding: str) -> None:
+    """Every NaN's bits, the draw added, stay NaN (0x7FFFFFFF, CUDA float32 arithmetic's NaN, carried
+    into the sign and came out -0.0 in 99,998 of 100,000 draws: a NaN update silently zeroed); inf stays
+    inf."""
+    from amp_backends.memory.sr_adamw import _round_moment
+
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800001, -0x00400000], dtype=torch.int32).view(torch.float32)
+    x = torch.cat([nans, torch.tensor([float("inf"), -float("inf")])]).repeat(2000)
+    out = (_round_stochastically if rounding == "parameters" else _round_moment)(x).float().view(-1, 7)
+    assert out[:, :5].isnan().all()
+    assert (out[:, 5] == float("inf")).all() and (out[:, 6] == -float("inf")).all()
+
+
+def test_a_copied_or_pickled_optimizer_steps_with_its_settings() -> None:
+    """``copy.deepcopy`` and pickling (torch's ``Optimizer.__getstate__`` keeps only defaults, state and
+    groups): the copy keeps its ``moments``, ``chunk_numel`` and ``compile``, and steps as the original
+    (it raised AttributeError)."""
+    import pickle
+
+    params = _params(SHAPES, torch.bfloat16)
+    opt = StochasticAdamW(params, lr=1e-2, moments="nearest", chunk_numel=64)
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    opt.step()
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert (copied.moments, copied.chunk_numel, copied.compile) == ("nearest", 64, False)
+        mine = copied.param_groups[0]["params"]
+        for p, q in zip(mine, params):
+            p.grad = q.grad.clone()
+        torch.manual_seed(1)
+        copied.step()
+        assert copied.state[mine[0]]["step"] == 2
+    torch.manual_seed(1)
+    opt.step()
+    assert torch.equal(mine[0], params[0])
