@@ -128,11 +128,12 @@ len_function_stack = _entry("torch._C._len_torch_function_stack", "none: as _get
 def function_modes_on() -> bool:
     """Whether a ``TorchFunctionMode`` other than the default device's (``torch.set_default_device``) is
     on: it may change what a function computes, and a recomputation in backward runs outside it."""
-    count = len_function_stack
-    if count is None or not count():
+    count, stack = len_function_stack, function_mode_stack
+    if count is not None and not count():
         return False
-    stack = function_mode_stack
-    return stack is None or any(type(m).__module__ != "torch.utils._device" for m in stack())
+    if stack is None:  # (on, or unknown: taken as on)
+        return True
+    return any(type(m).__module__ != "torch.utils._device" for m in stack())
 
 
 FORWARD_AD_LEVEL = _entry("torch.autograd.forward_ad._current_level", "none: forward-mode AD taken as off (the "

@@ -49,14 +49,12 @@ from torch import nn
 from ..errors import AmpBackendsError
 from ..torch_private import FakeTensor, foreach_mul
 from .master_checkpoints import exact_values, hook_loads
-from .master_buffers import Flats, consolidate, float32_grads, grad_key, grads_of, round_into
+from .master_buffers import LOW_PRECISION, Flats, consolidate, float32_grads, grad_key, grads_of, round_into
 from .master_buffers import inverse as inverse_of
 from .master_unscale import ExactUnscale
 
 __all__ = ["LOW_PRECISION", "MasterWeights", "MasterWeightsError", "own_lists_refusal", "own_parameter_lists", "widen_state"]
 
-#: The parameter dtypes that get a float32 master.
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 #: (version counter, storage address, device, dtype) of a parameter as last written by the step.
 _Stamp = tuple[int, int, torch.device, torch.dtype]

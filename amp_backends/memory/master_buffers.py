@@ -11,7 +11,10 @@ from torch.utils.weak import WeakIdRef
 
 from ..torch_private import flatten_dense_tensors, foreach_copy_, foreach_mul_, foreach_norm, unflatten_dense_tensors
 
-__all__ = ["Flats", "consolidate", "float32_grads", "grad_key", "grads_of", "inverse", "norm", "round_into", "scale_"]
+#: The parameter dtypes that get a float32 master.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+__all__ = ["LOW_PRECISION", "Flats", "consolidate", "float32_grads", "grad_key", "grads_of", "inverse", "norm", "round_into", "scale_"]
 
 #: (device, parameter dtype) -> (float32 buffer, its parameters, their masters: views of it)
 Flats = dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, list[nn.Parameter], list[torch.Tensor]]]

@@ -15,10 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .master_buffers import LOW_PRECISION
+
 __all__ = ["exact_values", "hook_loads"]
-
-_LOW = (torch.float16, torch.bfloat16)
-
 
 class _LoadWatch:
     """The ``load_state_dict`` pre-hook of a module with parameters that have masters; reports to its
@@ -55,6 +54,6 @@ def exact_values(module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
     for name, p in module._parameters.items():
         value = state_dict.get(prefix + name)
         if (p is not None and p in masters and isinstance(value, torch.Tensor) and value.shape == p.shape
-                and value.is_floating_point() and value.dtype not in _LOW):
+                and value.is_floating_point() and value.dtype not in LOW_PRECISION):
             found[p] = value
     return found

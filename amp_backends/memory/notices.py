@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .master_buffers import LOW_PRECISION
+
 __all__ = ["Notices", "notices", "quiet_state_dict"]
 
 
@@ -36,7 +38,7 @@ class _Outside:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         probe = self.probe
-        if (self.warned or torch.compiler.is_compiling() or probe.dtype not in (torch.float16, torch.bfloat16)
+        if (self.warned or torch.compiler.is_compiling() or probe.dtype not in LOW_PRECISION
                 or torch.is_autocast_enabled(probe.device.type)):
             return
         self.warned = True

@@ -248,13 +248,18 @@ class HooksOver:
             return self.outer_unpack(packed)
         if type(packed) is not _Passed:
             return packed  # (a tensor of the hooks' own)
-        t = packed.tensor
-        if t._version != packed.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {packed.version} instead "
-                "(saved under a memory_lean lever's saved-tensor hooks; edit a copy, or step after the backward)")
-        return t
+        _unedited(packed.tensor, packed.version)
+        return packed.tensor
+
+
+def _unedited(t: torch.Tensor, version: int) -> None:
+    """Refuse ``t`` edited in place since it was saved at ``version``, with autograd's own error (which
+    autograd does not raise for a save made under hooks)."""
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead "
+            "(saved under a memory_lean lever's saved-tensor hooks; edit a copy, or step after the backward)")
 
 
 class _Passed:
@@ -309,11 +314,8 @@ class _Scope(HooksOver):
         if not isinstance(packed, _Stored) or packed.scope is not self:
             return self.unpack_outer(packed)
         saved = packed.tensor()
-        if saved is not None and saved._version != packed.tensor_version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{saved.type()} {list(saved.shape)}] is at version {saved._version}; expected version "
-                f"{packed.tensor_version} instead (saved under a memory_lean lever's saved-tensor hooks; edit a copy)")
+        if saved is not None:
+            _unedited(saved, packed.tensor_version)
         source: torch.Tensor = self.unpack_outer(packed.packed)
         if source is packed.source() and source._version != packed.version:
             raise SubstituteSourceEdited(

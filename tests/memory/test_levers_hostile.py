@@ -7,6 +7,7 @@ the upcast op itself."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -21,6 +22,7 @@ import amp_backends
 from amp_backends import torch_private
 from amp_backends.memory import saves
 from amp_backends.memory.lean import LeanError, memory_lean
+from saved_bytes import saved_storage_bytes
 
 ACTIVE = torch_private.top_saved_tensors_hooks is not None  # (torch 2.4 tells no hooks in force: nothing substituted)
 ONLY = dict(saves=False, activations=False, activation_outputs=True, shared_casts=False)
@@ -137,21 +139,12 @@ def test_a_function_mode_on_during_the_forward_leaves_the_outputs_saved() -> Non
     memory_lean(model, None, backend="cpu", **ONLY)
     with Rounded():
         _equal_grads(model, plain)
-    saved = {}
-    for name, net, mode in (("plain", plain, None), ("lever", model, None), ("lever, default device", model, "cpu")):
-        count: dict[int, int] = {}
+    def forward(net: nn.Module, mode: str | None) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16), (torch.device(mode) if mode else contextlib.nullcontext()):
+            net(X)
 
-        def pack(t: torch.Tensor) -> torch.Tensor:  # the bytes of each storage saved, once
-            count[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # noqa: B023
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-            if mode is None:
-                net(X)
-            else:
-                with torch.device(mode):
-                    net(X)
-        saved[name] = sum(count.values())
+    saved = {name: saved_storage_bytes(functools.partial(forward, net, mode)) for name, net, mode in (
+        ("plain", plain, None), ("lever", model, None), ("lever, default device", model, "cpu"))}
     assert saved["lever, default device"] == saved["lever"]
     assert saved["lever"] < saved["plain"] or not ACTIVE, saved  # (the lever works under the default device's mode)
 

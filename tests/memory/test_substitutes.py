@@ -23,6 +23,7 @@ from amp_backends.memory import (Lean, fused_activations, hooks_around, memory_l
                                  substitutes)
 from amp_backends.memory.activation_outputs import RecomputedInputEdited, pure_function
 from amp_backends.memory.ledger import Ledger, MemoryReport
+from saved_bytes import saved_storage_bytes
 from sim_marks import needs_sim_device
 
 
@@ -142,16 +143,12 @@ def _counted(model: nn.Module, name: str, x: torch.Tensor) -> tuple[MemoryReport
         ledger.restart_peak()
         report = ledger.report(params=model.parameters())
     del loss
-    seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
+    def forward() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _loss(model, name, x)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        _loss(model, name, x)
-    return report, sum(seen.values())
+    return report, saved_storage_bytes(forward)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
