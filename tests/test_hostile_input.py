@@ -119,8 +119,7 @@ def test_probe_timeout_variable_is_refused_naming_itself(monkeypatch, value):
 
 @pytest.mark.parametrize(("patch", "match"), [
     ({"scale": 10**400}, "does not fit a float"),
-    ({"_growth_tracker": 3}, "not below growth_interval"),
-    ({"_growth_tracker": 7}, "not below growth_interval"),
+    ({"scale": 1e-40}, "reciprocal overflows float32"),
 ])
 def test_state_dict_extremes_are_state_dict_errors(patch, match):
     scaler = GradScaler("cpu", init_scale=16.0, growth_interval=3)
@@ -225,6 +224,17 @@ def test_generated_clip_arguments(kwargs, arena):
     scaler.update()
 
 
+@pytest.mark.parametrize("tracker", [3, 7])
+def test_a_tracker_past_the_interval_loads_one_short_of_it_with_a_warning(tracker):
+    """torch's set_growth_interval may leave its tracker past a shortened interval (its scale then never
+    grows); such a state loads one short of the interval, saying so."""
+    scaler = GradScaler("cpu", init_scale=16.0, growth_interval=3)
+    state = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": tracker}
+    with pytest.warns(RuntimeWarning, match="not below growth_interval"):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == {**state, "_growth_tracker": 2}
+
+
 STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -232,9 +242,9 @@ def _valid_field(key: str, value: object) -> bool:
     """Whether ``value`` is a valid value of state_dict[key] (growth_interval 3, tracker 1 beside it)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or abs(value) >= 1e300:
         return False
-    return {"scale": 0 < value < 3e38, "growth_factor": 1 < value, "backoff_factor": 0 < value < 1,
+    return {"scale": 3e-39 < value < 3e38, "growth_factor": 1 < value, "backoff_factor": 0 < value < 1,
             "growth_interval": isinstance(value, int) and 3 <= value < 2**31,
-            "_growth_tracker": isinstance(value, int) and 0 <= value < 3}[key]
+            "_growth_tracker": isinstance(value, int) and 0 <= value < 2**31}[key]
 
 
 @pytest.mark.parametrize(("key", "bad"), [(k, b) for k in STATE_KEYS for b in HOSTILE_NUMBERS + ["x", -5, 2**40]

@@ -1,8 +1,10 @@
 """Training checkpoints: model, optimizer and scaler in one file, checksummed, written atomically.
 
-File layout: one header line ``amp-backends-checkpoint 2 <sha256 of the rest>\\n``, then the
-``torch.save`` payload. ``save`` writes to a temporary file in the same folder and renames it
-over the target, so a crash never leaves a half-written checkpoint; each temporary file is named
+File layout: one header line ``amp-backends-checkpoint 3 <sha256 of the rest>\\n``, then the
+``torch.save`` payload, streamed to the file and hashed in blocks both ways (neither ``save`` nor
+``load`` holds the file in memory beside the state). ``save`` writes to a temporary file in the same
+folder and renames it over the target, so a crash never leaves a half-written checkpoint; each
+temporary file is named
 after its host and process, and a later save removes only those whose process is gone (several
 processes saving to one path never delete each other's); a symlink is followed; the keys the
 file's own metadata uses cannot be overridden by the state; the file's mode follows the umask as
@@ -149,16 +151,16 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], kind: str) -> P
     for stale in target.parent.glob(f"{_temp_prefix(target)}*.tmp"):  # left by a killed save
         if _abandoned(stale, target):
             stale.unlink(missing_ok=True)
-    buffer = io.BytesIO()
-    torch.save({"format": FORMAT, "version": VERSION, "kind": kind, **encoded}, buffer)
-    _refuse_unsafe(buffer)
-    body = buffer.getvalue()
-    header = b"%s %d %s\n" % (_MAGIC, VERSION, hashlib.sha256(body).hexdigest().encode())
     fd, tmp = tempfile.mkstemp(prefix=_temp_name_prefix(target), suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(header)
-            fh.write(body)
+        with os.fdopen(fd, "w+b") as fh:  # streamed: the payload is never held in memory beside the state
+            fh.write(_header(b"0" * 64))
+            torch.save({"format": FORMAT, "version": VERSION, "kind": kind, **encoded}, fh)
+            fh.flush()
+            _refuse_unsafe(_body(fh))
+            digest = _digest(_body(fh))
+            fh.seek(0)
+            fh.write(_header(digest.encode()))
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, _umask_mode())
@@ -169,18 +171,59 @@ def save(path: str | os.PathLike[str], state: Mapping[str, Any], kind: str) -> P
     return target
 
 
-def _refuse_unsafe(buffer: io.BytesIO) -> None:
+def _header(digest: bytes) -> bytes:
+    """The header line: fixed width (the digest is 64 hex digits), so it is written last, in place."""
+    return b"%s %d %s\n" % (_MAGIC, VERSION, digest)
+
+
+class _Window(io.RawIOBase):
+    """A file from ``start`` on, as a file of its own (torch's zip reader seeks within the payload)."""
+
+    def __init__(self, fh: Any, start: int) -> None:
+        super().__init__()
+        self.fh, self.start = fh, start
+        fh.seek(start)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        position = self.fh.seek(self.start + offset) if whence == io.SEEK_SET else self.fh.seek(offset, whence)
+        return position - self.start
+
+    def tell(self) -> int:
+        return self.fh.tell() - self.start
+
+    def readinto(self, buffer: Any) -> int:
+        return self.fh.readinto(buffer)
+
+
+def _body(fh: Any, start: int | None = None) -> io.BufferedReader:
+    """The payload of an open checkpoint file (after its header line), read in 1 MiB blocks."""
+    return io.BufferedReader(_Window(fh, len(_header(b"0" * 64)) if start is None else start), 1 << 20)
+
+
+def _digest(body: io.BufferedReader) -> str:
+    """sha256 of the payload, read in blocks (never the whole file in memory)."""
+    digest = hashlib.sha256()
+    while block := body.read(1 << 20):
+        digest.update(block)
+    return digest.hexdigest()
+
+
+def _refuse_unsafe(body: io.BufferedReader) -> None:
     """torch's own judgement (2.6+), read from the pickle without running it: anything weights-only
     loading would refuse (a tensor subclass it does not know) is refused now, not at resume."""
     scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
     if not callable(scan):
         return
-    buffer.seek(0)
     try:
-        unsafe = scan(buffer)
+        unsafe = scan(body)
     except Exception:  # noqa: BLE001 - the scan itself failing is not the state's fault
         unsafe = []
-    buffer.seek(0, io.SEEK_END)
     if unsafe:
         raise CheckpointError(f"cannot save: the state holds {', '.join(unsafe)}, which checkpoint.load (weights-only, "
                               "safe) cannot read back; store plain values, or allowlist them with "
@@ -194,25 +237,25 @@ def load(path: str | os.PathLike[str], kind: str, required: tuple[str, ...] = ()
         raise CheckpointError(f"{_shown(source)} is a directory, not a checkpoint file: give the file inside it")
     if not source.is_file():
         raise CheckpointError(f"{_shown(source)}: no such checkpoint file")
-    data = source.read_bytes()
-    header, newline, body = data.partition(b"\n")
-    parts = header.split(b" ")
-    if not newline or len(parts) != 3 or parts[0] != _MAGIC:
-        raise CheckpointError(f"{_shown(source)} is not an amp-backends checkpoint (no checkpoint header)")
-    if parts[1] not in _READS:
-        raise CheckpointError(
-            f"{_shown(source)} has checkpoint format version {_shown(parts[1].decode(errors='replace'))!r}; "
-            f"this amp-backends reads versions {', '.join(v.decode() for v in _READS)}"
-        )
-    if hashlib.sha256(body).hexdigest().encode() != parts[2]:
-        raise CheckpointError(
-            f"{_shown(source)} is corrupt: its contents do not match the checksum written with them (the file was "
-            "damaged or truncated after saving); resume from another checkpoint or start afresh"
-        )
-    try:
-        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unreadable payload gets the same clear message
-        raise CheckpointError(f"{_shown(source)} is not a readable checkpoint: {_why_unreadable(exc)}") from None
+    with open(source, "rb") as fh:  # read in blocks: the file is never held in memory beside what it holds
+        header = fh.readline(256)
+        parts = header.rstrip(b"\n").split(b" ")
+        if not header.endswith(b"\n") or len(parts) != 3 or parts[0] != _MAGIC:
+            raise CheckpointError(f"{_shown(source)} is not an amp-backends checkpoint (no checkpoint header)")
+        if parts[1] not in _READS:
+            raise CheckpointError(
+                f"{_shown(source)} has checkpoint format version {_shown(parts[1].decode(errors='replace'))!r}; "
+                f"this amp-backends reads versions {', '.join(v.decode() for v in _READS)}"
+            )
+        if _digest(_body(fh, len(header))).encode() != parts[2]:
+            raise CheckpointError(
+                f"{_shown(source)} is corrupt: its contents do not match the checksum written with them (the file "
+                "was damaged or truncated after saving); resume from another checkpoint or start afresh"
+            )
+        try:
+            payload = torch.load(_body(fh, len(header)), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable payload gets the same clear message
+            raise CheckpointError(f"{_shown(source)} is not a readable checkpoint: {_why_unreadable(exc)}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{_shown(source)} is not an amp-backends checkpoint (it holds {type(payload).__name__} data)")
     if payload.get("kind") != kind:
@@ -227,8 +270,16 @@ def _why_unreadable(exc: Exception) -> str:
     """torch's error in one line, without its terminal escape codes, and without its advice to load
     with ``weights_only=False`` (which this loader never does): the global it refused, and the safe way."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    blocked = re.search(r"unsupported GLOBAL ([\w.]+) whose module ([\w.]+) is blocked", text)
+    if blocked:
+        return (f"it holds {blocked.group(1)}, which weights-only (safe) loading refuses outright (module "
+                f"{blocked.group(2)} is blocked: a checkpoint has no use for it, so the file may be malicious); "
+                "do not load it")
     refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
     if refused:
         return (f"it holds {refused.group(1)}, which weights-only (safe) loading refuses; if you trust the file, "
                 f"allowlist it with torch.serialization.add_safe_globals([{refused.group(1).rsplit('.', 1)[-1]}])")
+    unpickler = re.search(r"WeightsUnpickler error: ([^\n]+)", text)  # past torch's advice to load unsafely
+    if unpickler:
+        return f"weights-only (safe) loading refuses it: {_shown(unpickler.group(1)[:160])}"
     return f"{type(exc).__name__}: {_shown(first_line(text)[:160])}"

@@ -91,6 +91,11 @@ def encode(value: Any, error: Callable[[str], Exception], path: str = "") -> Any
             if not (type(key) in _PLAIN or isinstance(key, tuple)):
                 raise error(f"{_where(path)} has a key of type {type(key).__name__} ({key!r}): use str or int keys")
             out[key] = encode(item, error, f"{path}[{key!r}]")
+        metadata = getattr(value, "_metadata", None)
+        if isinstance(out, OrderedDict) and isinstance(metadata, dict):  # a state_dict's module versions
+            out._metadata = encode(metadata, error, f"{path}._metadata")  # type: ignore[attr-defined]  # as torch's state_dict carries it
+        if TAG in out:  # the user's own key named as the tag: its items carried as pairs, never read as a tag
+            return {TAG: "escaped", "ordered": isinstance(out, OrderedDict), "items": [[k, v] for k, v in out.items()]}
         if type(value) not in (dict, OrderedDict):
             return {TAG: "dict", "value": out}  # a dict subclass (a defaultdict) comes back a dict
         return out
@@ -114,6 +119,9 @@ def decode(value: Any, error: Callable[[str], Exception]) -> Any:
             out = type(value)() if isinstance(value, OrderedDict) else {}
             for key, item in value.items():
                 out[key] = decode(item, error)
+            metadata = getattr(value, "_metadata", None)
+            if isinstance(out, OrderedDict) and metadata is not None:
+                out._metadata = decode(metadata, error)  # type: ignore[attr-defined]  # as torch's state_dict carries it
             return out
         return _DECODERS[tag](value, error) if tag in _DECODERS else _unknown(tag, error)
     if isinstance(value, list):
@@ -156,4 +164,5 @@ _DECODERS: dict[str, Callable[[dict[str, Any], Callable[[str], Exception]], Any]
     "set": lambda v, e: {decode(x, e) for x in v["value"]},
     "frozenset": lambda v, e: frozenset(decode(x, e) for x in v["value"]),
     "dict": lambda v, e: decode(v["value"], e),
+    "escaped": lambda v, e: (OrderedDict if v.get("ordered") else dict)((k, decode(x, e)) for k, x in v["items"]),
 }

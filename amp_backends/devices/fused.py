@@ -207,7 +207,8 @@ def _probe_param(device: torch.device, scale: float = 1.0) -> torch.nn.Parameter
 def _skips(optimizer: torch.optim.Optimizer, device: torch.device, hand_over: bool) -> bool:
     """Whether one step handed found_inf = 1 (or nothing, ``hand_over`` False) leaves the parameter."""
     param = _probe_param(device, PROBE_SCALE)
-    opt = type(optimizer)([param], **_defaults(optimizer))
+    cls = _probe_class(optimizer)
+    opt = cls([param], **_defaults(optimizer, cls))
     if hand_over:
         opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
         opt.found_inf = torch.ones((), device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
@@ -234,11 +235,12 @@ def _stepped(optimizer: torch.optim.Optimizer, device: torch.device, fused: bool
     step (``fused=False, foreach=False`` where the class takes them) on the unscaled gradient, or
     on the scaled one with ``scaled``."""
     param = _probe_param(device, PROBE_SCALE if fused or scaled else 1.0)
-    kwargs = _defaults(optimizer)
+    cls = _probe_class(optimizer)
+    kwargs = _defaults(optimizer, cls)
     if not fused:
-        accepted = inspect.signature(type(optimizer).__init__).parameters
+        accepted = inspect.signature(cls.__init__).parameters
         kwargs.update({k: False for k in ("fused", "foreach") if k in accepted})
-    opt = type(optimizer)([param], **kwargs)
+    opt = cls([param], **kwargs)
     if fused:
         opt.grad_scale = torch.full((), PROBE_SCALE, device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
         opt.found_inf = torch.zeros((), device=device)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
@@ -255,10 +257,21 @@ def _same(run: list[torch.Tensor], reference: list[torch.Tensor]) -> bool:
                                                for a, b in zip(run, reference))
 
 
-def _defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's defaults as its constructor takes them (torch's AdamW keeps a default its
-    constructor does not accept), a tensor lr copied."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
+def _probe_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    """The class a probe builds: the optimizer's own where its constructor takes ``(params, **defaults)``,
+    else torch's class it derives from (a subclass whose constructor needs more: a schedule's name)."""
+    own = type(optimizer)
+    try:
+        inspect.signature(own.__init__).bind(None, [], **_defaults(optimizer, own))
+    except TypeError:
+        return next((cls for cls, _ in _KINDS if isinstance(optimizer, cls)), own)
+    return own
+
+
+def _defaults(optimizer: torch.optim.Optimizer, cls: type[torch.optim.Optimizer] | None = None) -> dict[str, Any]:
+    """The optimizer's defaults as ``cls``'s constructor (default: its own) takes them (torch's AdamW
+    keeps a default its constructor does not accept), a tensor lr copied."""
+    accepted = inspect.signature((cls or type(optimizer)).__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in optimizer.defaults.items()
             if takes_any or k in accepted}

@@ -143,7 +143,7 @@ def _arrival(arena_ref: Any, k: int, i: int) -> Any:
             return
         current = param.grad
         if current is not None:
-            if current.data_ptr() != slots.ptrs[i]:  # a tensor put there by hand, or by DDP: noted
+            if current.data_ptr() != slots.ptrs[i] and current.numel():  # a tensor put there by hand, or by DDP: noted
                 arena._outside = True
             return
         if grad.is_sparse or torch.is_grad_enabled():  # sparse, or create_graph: torch makes its own

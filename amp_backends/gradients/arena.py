@@ -46,7 +46,7 @@ from .. import patches
 from ..eager import eager
 from ..torch_private import foreach_zero_, storage_use_count
 from .accumulation import Hooks, holders, take_over
-from .groups import ALIGN_BYTES, ARENA_ATTR, FP16_PARAMS, FlatGroup, layout, views_of
+from .groups import ALIGN_BYTES, ARENA_ATTR, FP16_PARAMS, FlatGroup, layout, slot_strides, views_of
 from .watched import ParamGroups
 
 __all__ = ["ALIGN_BYTES", "ARENA_ATTR", "CHECKS", "FP16_PARAMS", "FlatGrads", "FlatGroup", "flat_grads", "flat_grads_of",
@@ -71,7 +71,7 @@ class _Slots:
         self._storage = group.buffer.untyped_storage()
         self.base = self.refs()  # the buffer alone
         self.ptrs = self._ptrs()
-        views = views_of(group.buffer, group.offsets, group.shapes)
+        views = views_of(group.buffer, group.offsets, group.shapes, group.strides)
         self.spare: list[torch.Tensor | None] = [None if on else v for v, on in zip(views, installed)]
         self.free = {i for i, on in enumerate(installed) if not on}
         self.drops: list[Any] = []
@@ -117,7 +117,7 @@ class _Slots:
             self._storage = g.buffer.untyped_storage()
             self.base = self.refs()
             self.ptrs = self._ptrs()
-        self.spare = list(views_of(g.buffer, g.offsets, g.shapes))
+        self.spare = list(views_of(g.buffer, g.offsets, g.shapes, g.strides))
         self.free = set(range(len(self.spare)))
 
     @eager
@@ -207,7 +207,7 @@ class FlatGrads:
             for p, ptr, spare in zip(s.group.params, s.ptrs, s.spare):
                 grad = p.grad
                 if spare is None:  # the slot gave its view: it must be the gradient
-                    if grad is None or grad.data_ptr() != ptr:
+                    if grad is None or (grad.data_ptr() != ptr and grad.numel()):  # (an empty one has no address)
                         return False
                 elif grad is not None:  # a free slot: the parameter has no gradient
                     return False
@@ -241,7 +241,8 @@ class FlatGrads:
             # references beyond one per spare view and one per gradient in place: views held elsewhere
             extra = s.refs() - s.base - len(s.free) - held
             if dead and extra == 0:  # dropped views nobody holds: their slots are free again, zeroed
-                views = views_of(g.buffer, [g.offsets[i] for i in dead], [g.shapes[i] for i in dead])
+                views = views_of(g.buffer, [g.offsets[i] for i in dead], [g.shapes[i] for i in dead],
+                                 [g.stride(i) for i in dead])
                 foreach_zero_(views)
                 for i, v in zip(dead, views):
                     s.spare[i] = v
@@ -294,9 +295,9 @@ class FlatGrads:
         if optimizer is None or not self._param_groups.unchanged(optimizer):
             return False
         return all(
-            p.dtype == g.dtype and p.shape == shape and p.device == g.device
+            p.dtype == g.dtype and p.shape == g.shapes[i] and p.device == g.device and slot_strides(p) == g.stride(i)
             for g in self.groups
-            for p, shape in zip(g.params, g.shapes)
+            for i, p in enumerate(g.params)
         )
 
     # -- zero_grad -----------------------------------------------------------------------
@@ -426,19 +427,22 @@ def _build(params: Sequence[torch.Tensor]) -> Iterator[_Slots]:
         if buffer.data_ptr() % ALIGN_BYTES:  # every allocator here aligns far more; refuse rather than guess
             raise RuntimeError(f"flat_grads(): the {device} allocator returned a buffer not {ALIGN_BYTES}-byte aligned")
         group = FlatGroup(device, dtype, buffer, tuple(members), tuple(offsets),
-                          tuple(p.numel() for p in members), tuple(p.shape for p in members))
+                          tuple(p.numel() for p in members), tuple(p.shape for p in members),
+                          tuple(slot_strides(p) for p in members))
         present = [p.grad is not None for p in members]
         with torch.no_grad():
-            for p, off in zip(members, offsets):
+            for i, p in enumerate(members):
                 if p.grad is not None:
-                    buffer[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    group.view(i).copy_(p.grad)
         yield _Slots(group, present)
 
 
 def _in_slot(grad: torch.Tensor, group: FlatGroup, i: int) -> bool:
     """Whether ``grad`` is a view of slot ``i`` (the buffer is alive, so no other tensor shares its address)."""
+    if group.numels[i] == 0:  # an empty gradient has no address: any of its dtype and shape is the slot's
+        return grad.dtype == group.dtype and grad.shape == group.shapes[i]
     return (grad.data_ptr() == group.buffer.data_ptr() + group.offsets[i] * group.buffer.element_size()
-            and grad.dtype == group.dtype and grad.shape == group.shapes[i] and grad.is_contiguous())
+            and grad.dtype == group.dtype and grad.shape == group.shapes[i] and grad.stride() == group.stride(i))
 
 
 def _foreign(grad: torch.Tensor, group: FlatGroup, i: int) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Union
 import torch
 
 __all__ = ["ALIGN_BYTES", "ARENA_ATTR", "FP16_PARAMS", "FlatGroup", "GradGroup", "TensorGroup",
-           "group_by_device_and_dtype", "layout", "views_of"]
+           "group_by_device_and_dtype", "layout", "slot_strides", "views_of"]
 
 #: Every gradient starts at a multiple of this many bytes from its buffer's start (128-bit loads).
 ALIGN_BYTES = 16
@@ -54,6 +54,9 @@ class FlatGroup:
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
     shapes: tuple[torch.Size, ...]
+    #: each slot's strides: its parameter's where that is dense (channels_last, a transposed weight), as
+    #: torch's AccumulateGrad lays a gradient out; () : contiguous, every slot
+    strides: tuple[tuple[int, ...], ...] = ()
     #: Kernels keep what they derive from the layout here (Triton: its block table), built once.
     cache: dict[Any, Any] = field(default_factory=dict)
     #: Whether the gaps and free slots may hold non-zero values: a whole-buffer multiply by a factor
@@ -71,7 +74,11 @@ class FlatGroup:
 
     def view(self, i: int) -> torch.Tensor:
         """A new view of slot ``i``, shaped as its parameter."""
-        return views_of(self.buffer, self.offsets[i:i + 1], self.shapes[i:i + 1])[0]
+        return views_of(self.buffer, self.offsets[i:i + 1], self.shapes[i:i + 1], self.strides[i:i + 1])[0]
+
+    def stride(self, i: int) -> tuple[int, ...]:
+        """Slot ``i``'s strides."""
+        return self.strides[i] if self.strides else _contiguous_strides(self.shapes[i])
 
 
 #: One (device, dtype) group of gradients as the op takes it: an arena buffer, or a list.
@@ -105,9 +112,28 @@ def layout(numels: Sequence[int], itemsize: int) -> tuple[list[int], int]:
     return offsets, total
 
 
-def views_of(buffer: torch.Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-    """Contiguous views of ``buffer`` at ``offsets`` with ``shapes`` (one ``as_strided`` each)."""
-    return [buffer.as_strided(shape, _contiguous_strides(shape), off) for off, shape in zip(offsets, shapes)]
+def views_of(buffer: torch.Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size],
+             strides: Sequence[tuple[int, ...]] = ()) -> list[torch.Tensor]:
+    """Views of ``buffer`` at ``offsets`` with ``shapes`` and ``strides`` (contiguous where not given; one
+    ``as_strided`` each)."""
+    given = list(strides) or [_contiguous_strides(shape) for shape in shapes]
+    return [buffer.as_strided(shape, stride, off) for off, shape, stride in zip(offsets, shapes, given)]
+
+
+def slot_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides torch's AccumulateGrad gives ``t``'s gradient: ``t``'s own where ``t`` is dense and
+    non-overlapping (channels_last, a transposed weight), else contiguous ones."""
+    contiguous = _contiguous_strides(t.shape)
+    if t.is_contiguous():
+        return contiguous  # (as torch lays out a contiguous parameter's gradient, whatever its size-1 strides)
+    expected = 1
+    for d in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d))):
+        if t.size(d) == 1:
+            continue
+        if t.stride(d) != expected:
+            return contiguous
+        expected *= t.size(d)
+    return tuple(t.stride())
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ the same forward and backward in float32 as the reference:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -215,6 +216,10 @@ def check_model(
     report = _report(model, be, low, scale, run, ref_outputs, ref_grads, params, set(fp32_modules(model)))
     if held is not None:
         _add_memory(report, *held)
+    weights = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()} & {"float16", "bfloat16"})
+    if weights and ref_grads is not None:
+        report.notes.append(f"the model's weights are {' and '.join(weights)}: the float32 reference ran float32 "
+                            "copies of them")
     if kept:
         also = (" (and in the model without fp8 that tells fp8's losses from float16's: what fp8 loses there "
                 "counts as float16's)" if fp16 else "")
@@ -252,18 +257,33 @@ def _add_memory(report: ModelReport, held: dict[str, ModuleMemory], why: str | N
 def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend, loss_fn: Any,
                params: list[torch.Tensor], keep: bool
                ) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor | None] | None]:
-    """Each module's outputs and the parameters' gradients with autocast off."""
+    """Each module's outputs and the parameters' gradients with autocast off, in float32: a model whose
+    weights are float16/bfloat16 runs float32 copies of them (and its low-precision inputs in float32),
+    the gradients taken in float32."""
+    from ..precision.fp32_forward import float32_copies
+    from ..torch_private import reparametrize_module, tree_map
+
+    copies = float32_copies(model)
+    by_id = {id(p): copies[name] for name, p in model.named_parameters(remove_duplicate=False) if name in copies}
     seen = _Outputs(model, keep=keep)
     ref_grads = None
     try:
-        with torch.autocast(be.device_type, enabled=False):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.autocast(be.device_type, enabled=False))
+            if copies:
+                stack.enter_context(reparametrize_module(model, copies))
+                args, kwargs = tree_map(_float32_input, (args, kwargs))
             output = model(*args, **kwargs)
         loss = _loss_of(output, loss_fn, params)
         if loss is not None:
-            ref_grads = measured.grads(loss, params, 1.0, retain=False)
+            ref_grads = measured.grads(loss, [by_id.get(id(p), p) for p in params], 1.0, retain=False)
     finally:
         seen.remove()
     return seen.outputs, ref_grads
+
+
+def _float32_input(x: Any) -> Any:
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 @dataclass

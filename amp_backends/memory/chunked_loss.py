@@ -11,15 +11,18 @@ It never computes from stale or edited state:
 - an in-place op or ``out=`` on lazy logits (``logits[..., banned] = -inf``, ``masked_fill_``,
   ``div_``) raises (the edit would not reach the loss): edit out of place, which computes them whole;
 - a use after the head's weight or bias, or its input, changed (an ``optimizer.step()``, a
-  ``load_state_dict``, an in-place edit; seen by their version counters and storages) raises: read the
-  logits before ``optimizer.step()``;
+  ``load_state_dict``, an in-place edit; seen by their version counters and storages, and by a count of
+  the optimizer steps that updated the weight, since fused optimizers move no version counter) raises:
+  read the logits before ``optimizer.step()`` (a write through ``.data`` is not seen, as autograd does
+  not see it);
 - logits made with grad mode off carry no gradient, as plain ones would;
 - their own gradient is never made (the loss is computed from the head's input): a gradient hook or
   ``retain_grad`` on them, ``torch.autograd.grad`` with respect to them, an autograd Function they pass
   through (refused at the backward, when its gradient reaches them) or that returns them (a reentrant
   checkpoint of the head: refused at their use) raises; a full backward hook on the head itself gets
   plain logits (the lever stands aside there, with a warning);
-- under ``inference_mode`` and inside ``torch.func``'s transforms the head returns plain logits;
+- under ``inference_mode``, forward-mode AD and inside ``torch.func``'s transforms the head returns plain
+  logits;
 - inside ``torch.compile`` the head returns plain logits (correct, no saving), so a compiled step works;
 - under ``torch.distributed`` with more than one process, with FSDP2's DTensor weights, for a head that
   an fp8 recipe or a precision policy's float32 runs, or that ``quant_stats`` watches, the lever is
@@ -29,13 +32,16 @@ It never computes from stale or edited state:
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import patches, torch_private
 from ..eager import eager
@@ -68,11 +74,46 @@ _NO_GRADIENT = ("the loss is computed from the head's input, so the logits' own 
                 "nothing and the head would lose its gradient")
 
 
+#: id of a head's weight or bias -> how many optimizer steps have updated it (a fused optimizer's kernel
+#: moves no version counter), counted by an optimizer step post hook while any lazy logits are alive
+_STEPS: dict[int, int] = {}
+#: id -> a weak reference to each lazy logits alive (the hook goes with the last of them)
+_LIVE: dict[int, weakref.ref] = {}
+_STEP_HOOK: list[Any] = []
+
+
+def _track(logits: LazyLogits) -> None:
+    """Count the optimizer steps that update ``logits``' head while they are alive."""
+    _LIVE[id(logits)] = weakref.ref(logits, functools.partial(_untrack, id(logits)))
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_post_hook(_stepped))
+
+
+def _untrack(key: int, _ref: Any) -> None:
+    _LIVE.pop(key, None)
+    if not _LIVE and _STEP_HOOK:  # no lazy logits left to read: nothing to count, no hook on any step
+        _STEP_HOOK.pop().remove()
+        _STEPS.clear()
+
+
+@eager
+def _stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any optimizer's step while lazy logits are alive: the heads' tensors it holds were (or may
+    have been) updated."""
+    watched = {id(t) for ref in list(_LIVE.values()) if (lazy := ref()) is not None for t in lazy._head if t is not None}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in watched and p.grad is not None:  # (an optimizer steps no parameter without a gradient)
+                _STEPS[id(p)] = _STEPS.get(id(p), 0) + 1
+
+
 def _stamp(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, ...]:
-    """What identifies the state the logits are made of: version counters and storages (``hidden``: the
-    head's input itself, not a reshaped copy of it, whose counter starts again)."""
-    return (hidden._version, weight._version, weight.untyped_storage()._cdata,
-            None if bias is None else bias._version, None if bias is None else bias.untyped_storage()._cdata)
+    """What identifies the state the logits are made of: version counters, storages and the optimizer
+    steps that updated the weights (``hidden``: the head's input itself, not a reshaped copy of it,
+    whose counter starts again)."""
+    return (hidden._version, weight._version, weight.untyped_storage()._cdata, _STEPS.get(id(weight), 0),
+            None if bias is None else bias._version, None if bias is None else bias.untyped_storage()._cdata,
+            None if bias is None else _STEPS.get(id(bias), 0))
 
 
 class LazyLogits(torch.Tensor):
@@ -101,6 +142,7 @@ class LazyLogits(torch.Tensor):
         self._grad_mode = grad
         self._source = hidden if source is None else source  # the head's input (hidden may be a reshaped copy)
         self._stamp = _stamp(self._source, weight, bias) if stamp is None else stamp
+        _track(self)
         if needs:  # a gradient can reach these logits only through what bypasses __torch_function__: refused there
             with DisableTorchFunctionSubclass():
                 torch.Tensor.register_hook(self, _gradient_reached)
@@ -126,7 +168,7 @@ class LazyLogits(torch.Tensor):
                                     f"it?): compute the loss inside the forward, {_OFF}")
             return
         what = "input (the hidden states) was edited in place" if now[0] != self._stamp[0] else (
-            "weight or bias changed (an optimizer.step(), load_state_dict or an in-place edit)")
+            "weight or bias changed (an optimizer.step(), fused ones included, load_state_dict or an in-place edit)")
         raise LazyHeadError(f"lazy logits used by {use} after the head's {what} since the forward that made them: "
                             "they would be computed from the new state, not the one the forward saw. Read the logits "
                             f"(the loss, an accuracy) before optimizer.step(), {_OFF}")
@@ -332,12 +374,15 @@ class _LazyHead:
     def _plain(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.previous(hidden) if self.previous is not None else type(self.module).forward(self.module, hidden)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear.forward's own name
+        hidden = input
         if torch.compiler.is_compiling():
             return self._plain(hidden)  # a compiled graph cannot carry lazy logits: plain ones, no saving
         active = torch_private.functorch_transforms_active
-        if torch.is_inference_mode_enabled() or hidden.is_inference() or active is None or active():
-            return self._plain(hidden)  # inference tensors keep no version, torch.func's wrappers no storage
+        if (torch.is_inference_mode_enabled() or hidden.is_inference() or active is None or active()
+                or torch_private.forward_ad_active()):
+            return self._plain(hidden)  # inference tensors keep no version, torch.func's wrappers no storage,
+            # and forward-mode AD needs the logits' tangent, which lazy logits never make
         module = self.module
         if backward_hooked(module):
             # a backward hook on the head is handed the logits' gradient, which lazy logits never make

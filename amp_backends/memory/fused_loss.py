@@ -58,17 +58,31 @@ _DOUBLE_BACKWARD = ("linear_cross_entropy computes the head's gradients in the f
 
 
 def _free_bytes(device: torch.device) -> int | None:
-    """The device's free memory as the device says it, or None (a CPU, or no way to ask)."""
+    """The device's free memory as the device says it, plus what torch's caching allocator holds unused
+    (the driver counts that as taken), or None (a CPU, or no way to ask)."""
     if device.type in ("cpu", "meta"):
         return None
     try:
         acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
         if acc is not None and acc.type == device.type and hasattr(torch.accelerator, "get_memory_info"):
-            return int(torch.accelerator.get_memory_info(device)[0])
-        info = getattr(getattr(torch, device.type, None), "mem_get_info", None)
-        return None if info is None else int(info(device)[0])
+            free = int(torch.accelerator.get_memory_info(device)[0])
+        else:
+            info = getattr(getattr(torch, device.type, None), "mem_get_info", None)
+            if info is None:
+                return None
+            free = int(info(device)[0])
     except (RuntimeError, TypeError, ValueError, AttributeError):
         return None
+    return free + _cached_bytes(device)
+
+
+def _cached_bytes(device: torch.device) -> int:
+    """Bytes torch's caching allocator holds for ``device`` but no tensor uses (0 where it cannot say)."""
+    module = getattr(torch, device.type, None)
+    try:
+        return max(0, int(module.memory_reserved(device)) - int(module.memory_allocated(device)))  # type: ignore[union-attr]  # absent: said below
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return 0
 
 
 def block_bytes(device: torch.device | str | None = None) -> int:
@@ -121,8 +135,9 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
         den = wy.sum()
         # torch's gradients of an all-ignored mean are 0 (its loss nan); of a mean whose targets' class weights
         # are all 0, nan (0/0), which a loss scaler sees as an overflow
-        inv = torch.where(den > 0, 1.0 / den, torch.where(valid.any(), float("nan"), 0.0))
-    total = torch.zeros((), dtype=acc, device=h.device)
+        inv = torch.where(den != 0, 1.0 / den, torch.where(valid.any(), float("nan"), 0.0))
+    total = torch.zeros((), dtype=acc, device=h.device)  # the targets' term, and the smoothing's (apart, as torch divides each)
+    smooth = torch.zeros((), dtype=acc, device=h.device)
     gh = torch.empty(h.shape, dtype=_held(h.dtype), device=h.device) if need[0] else None
     gw = torch.zeros(w.shape, dtype=acc, device=w.device) if need[1] else None
     gb = torch.zeros(vocab, dtype=acc, device=w.device) if need[2] and b is not None else None
@@ -142,11 +157,10 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
         z.exp_()
         sumexp = z.sum(1, keepdim=True)
         lse = sumexp.log().squeeze(1)
-        row = wyb * (lse - zy)
+        total += torch.where(vb, wyb * (lse - zy), 0.0).sum()
         if smoothing:
             assert zs is not None
-            row = (1.0 - smoothing) * row + (smoothing / vocab) * (lse * wsum - zs)
-        total += torch.where(vb, row, 0.0).sum()
+            smooth += torch.where(vb, lse * wsum - zs, 0.0).sum()
         if not grads:
             continue
         # d row / d z_k = p_k ((1-e) w_y + e W / V) - (1-e) w_y [k = y] - (e / V) w_k, zero on ignored rows
@@ -172,11 +186,10 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
                 gw.add_(gl.t() @ hc[s:e])  # matmul 3, rounded to bfloat16 as the plain one is
         if gb is not None:
             gb.add_((g if compute == torch.float16 else gl).sum(0, dtype=acc))
-    if inv is not None:
+    if inv is not None:  # as torch divides: over no weight nan (0/0), over weights summing to 0 an infinity
         den = wy.sum()
-        loss = torch.where(den > 0, total / den, float("nan"))  # a mean over no weight: nan, as torch's (smoothing too)
-    else:
-        loss = total
+        total, smooth = total / den, smooth / den
+    loss = (1.0 - smoothing) * total + (smoothing / vocab) * smooth if smoothing else total
     return (loss, gh, _scaled(gw, inv, _held(w.dtype)) if gw is not None else None,
             _scaled(gb, inv, _held(b.dtype)) if gb is not None and b is not None else None)
 

@@ -20,9 +20,14 @@ same mask; the loss and every gradient are bitwise the plain model's (``tests/me
 What it costs is the forward of the recomputed ops once more in backward, and the checkpoint's own
 work per block (docs/memory.md states both as measured).
 
-The block's ``forward`` is wrapped, not its ``__call__``: module hooks stay outside the checkpoint and
-run once. Like transformers' own gradient checkpointing, a block called with a key-value cache while
-recomputing gets ``use_cache=False`` and no cache (the recomputation would write it twice).
+The block's ``forward`` is wrapped, not its ``__call__``: the block's own hooks stay outside the
+checkpoint and run once (hooks on modules inside it run again in backward, with the recomputation).
+The block's buffers are put back after the recomputation as it found them, so that an op writing one
+in place (BatchNorm's ``num_batches_tracked``, a counter of the user's) moves it once per forward. Like
+transformers' own gradient checkpointing, a block in training called with a key-value cache while
+recomputing gets ``use_cache=False`` and no cache (the recomputation would write it twice), said once
+with a warning; a block in eval mode (decoding with grad enabled) runs its plain forward and fills the
+cache.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -139,19 +145,54 @@ class _Policy:
         return self._again
 
 
+class _KeepingState:
+    """The recomputation's context (torch's, around it): the block's buffers put back as they were
+    before it, so that an op writing one in place (BatchNorm's ``num_batches_tracked``, which torch's
+    selective checkpoint cannot keep: the version counter moves after its cache is taken) moves it
+    once per forward, not once more in backward."""
+
+    def __init__(self, block: nn.Module, inner: Any) -> None:
+        self.block, self.inner = block, inner
+        self.before: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> Any:
+        # the buffers of the modules in training (a module in eval mode, a frozen BatchNorm, writes none)
+        self.before = [(b, b.detach().clone()) for m in self.block.modules() if m.training
+                       for b in m.buffers(recurse=False)]
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            with torch.no_grad():
+                for buffer, value in self.before:  # through .data: no version counter moves mid-backward
+                    buffer.data.copy_(value)
+            self.before = []
+
+
+def _contexts(policy: _Policy, block: nn.Module) -> tuple[Any, Any]:
+    """torch's selective-checkpoint contexts for one call of ``block``, the recomputation's keeping its state."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    return forward, _KeepingState(block, recompute)
+
+
 def _without_cache(signature: inspect.Signature, args: tuple[Any, ...],
-                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call with no key-value cache and ``use_cache=False``, however they were passed."""
+                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The call with no key-value cache and ``use_cache=False``, however they were passed; None where it
+    asks for none."""
     try:
         bound = signature.bind_partial(*args, **kwargs)
     except TypeError:
-        return args, kwargs  # let the forward itself say what is wrong with the call
+        return None  # let the forward itself say what is wrong with the call
     changed = False
     for name in (*_CACHE_KWARGS, "use_cache"):
         if bound.arguments.get(name):
             bound.arguments[name] = False if name == "use_cache" else None
             changed = True
-    return (bound.args, bound.kwargs) if changed else (args, kwargs)
+    return (bound.args, bound.kwargs) if changed else None
 
 
 class _Recomputed:
@@ -160,9 +201,9 @@ class _Recomputed:
     (``copy.deepcopy``, an EMA of it) gets a wrapper of its own that runs the copy's forward on the
     copy's parameters."""
 
-    def __init__(self, block: nn.Module, previous: Any, context: Callable[[], Any]) -> None:
+    def __init__(self, block: nn.Module, previous: Any, policy: _Policy) -> None:
         #: the block; ``previous``: its instance's own ``forward`` before (None: its class's)
-        self.block, self.previous, self.context = block, previous, context
+        self.block, self.previous, self.policy = block, previous, policy
         self._signature: inspect.Signature | None = None
         self._cache_named: bool | None = None
 
@@ -191,24 +232,41 @@ class _Recomputed:
             self._cache_named = self._signature is not None and any(
                 n in self._signature.parameters for n in (*_CACHE_KWARGS, "use_cache"))
         if self._cache_named:
-            args, kwargs = _without_cache(self._signature, args, kwargs)  # type: ignore[arg-type]
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=self.context, **kwargs)
+            uncached = _without_cache(self._signature, args, kwargs)  # type: ignore[arg-type]
+            if uncached is not None:
+                if not self.block.training:  # decoding with grad enabled: the cache is filled, nothing recomputed
+                    return forward(*args, **kwargs)
+                _say_cache_dropped(self.block)
+                args, kwargs = uncached
+        context = functools.partial(_contexts, self.policy, self.block)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+_CACHE_WARNED: list[bool] = []
+
+
+def _say_cache_dropped(block: nn.Module) -> None:
+    """Once: a block in training was handed a key-value cache, which it does not fill under the lever."""
+    if not _CACHE_WARNED:
+        _CACHE_WARNED.append(True)
+        warnings.warn(f"selective_recompute: {type(block).__name__} in training was called with a key-value cache "
+                      "(use_cache=True); recomputed blocks get use_cache=False and no cache, as under transformers' "
+                      "gradient checkpointing, so the cache the model returns stays empty: pass use_cache=False in "
+                      "training, or call model.eval() to decode", RuntimeWarning, stacklevel=3)
 
 
 class Recompute:
     """Selective recomputation on some blocks (:func:`selective_recompute`); :meth:`remove` undoes it."""
 
     def __init__(self, blocks: Sequence[nn.Module], save: frozenset[Any]) -> None:
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         #: the blocks whose forward is recomputed selectively
         self.blocks: tuple[nn.Module, ...] = tuple(blocks)
         #: the ops whose outputs are kept
         self.save = save
-        context = functools.partial(create_selective_checkpoint_contexts, _Policy(save))
+        policy = _Policy(save)
         self._wrappers: list[_Recomputed] = []
         for block in self.blocks:
-            wrapper = _Recomputed(block, block.__dict__.get("forward"), context)
+            wrapper = _Recomputed(block, block.__dict__.get("forward"), policy)
             patches.wrap(block, "forward", wrapper, scope="until Recompute.remove()",
                          cause="the block's forward runs under selective checkpointing, its cheap ops recomputed "
                                "in backward")

@@ -13,7 +13,7 @@ from torch import nn
 from .. import patches
 from ..torch_private import FUNCTORCH_CONFIG, resolve, tree_leaves, tree_map
 
-__all__ = ["Fp32Forward"]
+__all__ = ["Fp32Forward", "float32_copies"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -34,26 +34,59 @@ def _has_autocast(device_type: str) -> bool:
     return known
 
 
-def _active(args: tuple[Any, ...], kwargs: dict[str, Any], extra: tuple[str, ...]) -> list[str]:
-    """The device types of the inputs (and ``extra``) whose autocast is on now."""
+def _active(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], extra: tuple[str, ...]) -> list[str]:
+    """The device types of the inputs (and ``extra``; where no input is a tensor, of the module's own
+    parameters and buffers: a rotary embedding called with a length) whose autocast is on now."""
     types = set(extra)
     plain = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
-    for leaf in (args if plain else tree_leaves((args, kwargs))):
-        if isinstance(leaf, torch.Tensor):
-            types.add(leaf.device.type)
+    leaves = [leaf for leaf in (args if plain else tree_leaves((args, kwargs))) if isinstance(leaf, torch.Tensor)]
+    if not leaves:
+        leaves = [*module.parameters(), *module.buffers()]
+    types.update(leaf.device.type for leaf in leaves)
     return [t for t in types if _has_autocast(t) and torch.is_autocast_enabled(t)]
 
 
-def _low_params(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's own float16/bfloat16 parameters and buffers (a model loaded in bf16, FSDP2's
-    param_dtype), as float32 copies through which gradients still reach them."""
-    own = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
-    return {k: v.float() for k, v in own.items() if isinstance(v, torch.Tensor) and v.dtype in _LOW}
+def float32_copies(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The float16/bfloat16 parameters and buffers of the module and of everything inside it (a model
+    loaded in bf16, FSDP2's param_dtype), by every name each has, as float32 copies through which
+    gradients still reach them (one copy per tensor: tied weights stay tied)."""
+    copies: dict[int, torch.Tensor] = {}
+    low: dict[str, torch.Tensor] = {}
+    for name, value in [*module.named_parameters(remove_duplicate=False),
+                        *module.named_buffers(remove_duplicate=False)]:
+        if isinstance(value, torch.Tensor) and value.dtype in _LOW:
+            if id(value) not in copies:
+                copies[id(value)] = value.float()
+            low[name] = copies[id(value)]
+    return low
+
+
+def _write_back(module: nn.Module, low: dict[str, torch.Tensor]) -> None:
+    """The buffers' float32 copies written back to the module's own, in their dtype: what the forward
+    updated in them (BatchNorm's running statistics, which move no version counter) is kept; a copy
+    left alone rounds back to the same value. Written through ``.data``, as torch's BatchNorm updates
+    them, so no version counter moves (a buffer saved for another op's backward stays valid). Buffers
+    sharing memory (a view of another, or one a copy of the model shares) each got a copy of their
+    own: only one the forward changed is written back (a read, in that rare case). An inference tensor
+    outside inference mode, which nothing may write, is left as it is."""
+    writable = torch.is_inference_mode_enabled()
+    buffers = [(b, low[name]) for name, b in module.named_buffers() if name in low
+               and not (b.is_inference() and not writable)]  # (a buffer under two names is written once)
+    storages: dict[int, int] = {}
+    for buffer, _ in buffers:
+        key = buffer.untyped_storage().data_ptr()
+        storages[key] = storages.get(key, 0) + 1
+    with torch.no_grad():
+        changed = [(buffer, copy_) for buffer, copy_ in buffers  # (all compared before any is written)
+                   if storages[buffer.untyped_storage().data_ptr()] == 1 or not torch.equal(copy_.to(buffer.dtype), buffer)]
+        for buffer, copy_ in changed:
+            buffer.data.copy_(copy_)
 
 
 class Fp32Forward:
     """A selected module's ``forward``, set on the instance: autocast off and float32 inputs (and
-    float32 copies of its own low-precision weights) while autocast is on, the module's own forward
+    float32 copies of its low-precision weights and buffers, its children's included, the buffers the
+    forward updates written back) while autocast is on, the module's own forward
     otherwise. A picklable object, not a closure, that follows the module when it is copied
     (``copy.deepcopy``, as torch.compile's fake-tensor propagation copies modules), so a copy never
     runs the original's parameters.
@@ -91,10 +124,10 @@ class Fp32Forward:
         if not self.holders:
             return self._forward(*args, **kwargs)
         extra = tuple(t for types in self.holders.values() for t in types)
-        active = _active(args, kwargs, extra)
+        active = _active(self.module, args, kwargs, extra)
         if not active:
             return self._forward(*args, **kwargs)  # outside autocast: exactly the module's own forward
-        low = _low_params(self.module)
+        low = float32_copies(self.module)
         if not low and len(active) == 1 and not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
             with torch.autocast(active[0], enabled=False):  # the common case: one tensor in
                 return self._forward(_to_fp32(args[0]))
@@ -106,7 +139,10 @@ class Fp32Forward:
 
                 stack.enter_context(_reparametrize_module(self.module, low))
             args, kwargs = tree_map(_to_fp32, (args, kwargs))
-            return self._forward(*args, **kwargs)
+            output = self._forward(*args, **kwargs)
+        if low:
+            _write_back(self.module, low)
+        return output
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Fp32Forward:
         copied = Fp32Forward(copy.deepcopy(self.module, memo), copy.deepcopy(self.previous, memo))

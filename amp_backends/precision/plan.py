@@ -58,6 +58,9 @@ class PrecisionPlan:
     formats: tuple[str, ...] = PLAN_FORMATS
     end_to_end: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: the final classifier / head the planner found by running the model (None: not found), which
+    #: the policy's recipe keeps in float32 when it applies the plan
+    head: str | None = None
 
     # -- reading ----------------------------------------------------------------------------
     def by_format(self) -> dict[str, list[str]]:
@@ -91,6 +94,7 @@ class PrecisionPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"version": PLAN_VERSION, "budget": self.budget, "metric": METRIC, "dtype": self.dtype,
                 "formats": list(self.formats), "end_to_end": dict(self.end_to_end), "notes": list(self.notes),
+                "head": self.head,
                 "layers": {name: layer.to_dict() for name, layer in self.layers.items()}}
 
     @classmethod
@@ -115,9 +119,12 @@ class PrecisionPlan:
             out[str(name)] = LayerPlan(fmt, str(raw.get("reason", "")), errors, dict(raw.get("unavailable", {})),
                                        float(raw.get("flop_share", 0.0)), tuple(raw.get("shape", (0, 0))),
                                        int(raw.get("tokens", 0)))
+        head = data.get("head")
+        if head is not None and not isinstance(head, str):
+            raise ValueError(f"precision plan: 'head' must be a layer name or null, got {head!r}")
         return cls(float(data.get("budget", math.nan)), dtype, out,
                    tuple(data.get("formats", PLAN_FORMATS)), dict(data.get("end_to_end", {})),
-                   list(data.get("notes", [])))
+                   list(data.get("notes", [])), head)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -155,7 +155,7 @@ def plan_precision(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any
     from .fp8 import engine
     from .fp8.convert import layer_reason
     from .fp8.mx import MX_RECIPES, tokens_reason
-    from .selectors import recipe_head, strip
+    from .selectors import recipe_head, strip, wrapper_prefix
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan_precision takes a torch.nn.Module, got {type(model).__name__}")
@@ -166,22 +166,23 @@ def plan_precision(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any
     if own not in ("bf16", "fp16"):
         raise ValueError(f"plan_precision(dtype=...) takes the autocast dtype, 'bf16' or 'fp16', got {dtype!r}")
     be = resolve_backend(backend)
-    names = [n for n, m in model.named_modules() if strip(n) and isinstance(m, nn.Linear)]
+    prefix = wrapper_prefix(model)
+    names = [n for n, m in model.named_modules() if strip(n, prefix) and isinstance(m, nn.Linear)]
     if not names:
         raise ValueError("plan_precision: the model has no nn.Linear layer to plan")
     seen, total = _capture(model, example_inputs, loss_fn, names)
     unavailable = _availability(be, fmts, bool(emulate))
     rules: dict[str, str] = {}
+    head, _ = recipe_head(model, example_inputs)
     if recipe_rules:
         order = [n for n in engine.linear_order(model, example_inputs, names) if "x" in seen[n]]
         if order:
             rules[order[0]] = "the first Linear layer the model runs (the recipe keeps it out of 8 bits)"
             rules.setdefault(order[-1], "the last Linear layer the model runs (the recipe keeps it out of 8 bits)")
-        head, _ = recipe_head(model, example_inputs)
         if head is not None and head in seen:
             rules.setdefault(head, "the head (the recipe keeps it out of 8 bits)")
     out_dtype = DTYPES[own]
-    plan = PrecisionPlan(float(budget), own, formats=fmts)
+    plan = PrecisionPlan(float(budget), own, formats=fmts, head=head)
     if loss_fn is None:
         plan.notes.append("no loss given: the gradients are those of the mean of the outputs")
     matmul_total = total or sum(rec["flops"] for rec in seen.values()) or 1.0

@@ -272,7 +272,10 @@ def precision_policy(
     extra = _backend_ops(backend) if backend is not None else []
     head, how = (None, "")
     if RECIPE in selectors or RECIPE in (fp8_selectors or ()):
-        head, how = recipe_head(model, example_inputs)
+        if example_inputs is None and plan is not None and plan.head is not None:
+            head, how = plan.head, "the head the plan found by running the model"
+        else:
+            head, how = recipe_head(model, example_inputs)
         if head is None and example_inputs is not None:
             warnings.warn(f"precision_policy: the recipe's head is not selected: {how}", RuntimeWarning, stacklevel=2)
     chosen, skipped = select(model, selectors, head=head if RECIPE in selectors else None, extra=extra)
@@ -282,12 +285,12 @@ def precision_policy(
     policy = PrecisionPolicy(weakref.ref(model), skipped=skipped, head_found_by=how, plan=plan)
     if fp8_selectors is not None and fp8_backend is not None:
         policy._fp8 = [convert(model, fp8_selectors, recipe=fp8_recipe, emulate=bool(emulate),
-                              backend=fp8_backend, float32={id(m) for m, _ in chosen.values()},
+                              backend=fp8_backend, float32=_float32_ids(chosen),
                               head=head, example_inputs=example_inputs, all_gather=bool(fp8_all_gather),
                               converters=converters)]
     if plan_fp8:
         policy._fp8 = _convert_planned(model, plan_fp8, emulate=bool(emulate), backend=fp8_backend,
-                                       float32={id(m) for m, _ in chosen.values()}, converters=converters)
+                                       float32=_float32_ids(chosen), converters=converters)
     for name, (module, reason) in chosen.items():
         wrapper = module.__dict__.get("forward")
         if not isinstance(wrapper, Fp32Forward):  # else another policy's (or a copied model's): held by this one too
@@ -375,7 +378,8 @@ def _convert_planned(model: nn.Module, by_recipe: dict[str, list[nn.Module]], *,
             if conversion.skipped:
                 raise ValueError("precision_policy(plan=...): " + "; ".join(
                     f"{name!r} cannot train in {recipe}: {why}" for name, why in conversion.skipped.items())
-                    + ": edit the plan (that layer's format) or the fp32 selection (nothing changed)")
+                    + ": edit the plan (that layer's format) or the fp32 selection, or pass example_inputs= so that the "
+                    "recipe finds the head by running the model (nothing changed)")
     except BaseException:
         for conversion in reversed(done):
             conversion.restore()
@@ -392,14 +396,20 @@ def _fp8_converters(fp8: Any, fp8_convert: Any) -> dict[type, Callable[..., Any]
     return check_converters(fp8_convert)
 
 
+def _float32_ids(chosen: dict[str, tuple[nn.Module, str]]) -> set[int]:
+    """The modules the float32 selection runs in float32: the selected ones and everything inside them."""
+    return {id(inner) for module, _ in chosen.values() for inner in module.modules()}
+
+
 def _refuse_fp8_layers(chosen: dict[str, tuple[nn.Module, str]]) -> None:
     from .fp8.engine import is_fp8
 
-    layers = [name for name, (module, _) in chosen.items() if is_fp8(module)]
+    layers = [f"{name}.{inner}".rstrip(".") for name, (module, _) in chosen.items()
+              for inner, m in module.named_modules() if is_fp8(m)]
     if layers:
         raise ValueError(f"precision_policy(fp32=...): {', '.join(map(repr, layers))} trains in fp8 by another "
-                         "policy; float32 beats fp8, so remove() that policy first, or leave the layer out (nothing "
-                         "changed)")
+                         "policy; float32 beats fp8, so remove() that policy first, or leave the layer (or the module "
+                         "holding it) out (nothing changed)")
 
 
 def fp32_modules(model: nn.Module) -> list[str]:

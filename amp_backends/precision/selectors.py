@@ -13,7 +13,8 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-__all__ = ["NORM_TYPES", "RECIPE", "Selection", "Selector", "check_selectors", "recipe_head", "select", "strip"]
+__all__ = ["NORM_TYPES", "RECIPE", "Selection", "Selector", "check_selectors", "recipe_head", "select", "strip", "unselectable",
+           "wrapper_prefix"]
 
 #: What selects a module: a module class, a qualified-name pattern ("head", "*.norm*", fnmatch
 #: syntax, matched against ``model.named_modules()`` names), a module instance, or a predicate
@@ -31,24 +32,40 @@ NORM_TYPES: tuple[type, ...] = tuple(
 #: The preset the recipes describe: normalisation layers and the final classifier / LM head.
 RECIPE = "recipe"
 
-#: Prefixes wrappers add to every qualified name (DDP, torch.compile): patterns match without them.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: The wrappers whose root adds a prefix to every name (DDP, DataParallel, DeepSpeed's engines keep the
+#: model as ``module``; torch.compile as ``_orig_mod``), by class name: patterns match without it.
+_WRAPPERS = {"DistributedDataParallel": "module", "DataParallel": "module", "DeepSpeedEngine": "module",
+             "PipelineEngine": "module", "OptimizedModule": "_orig_mod"}
 
 #: name -> (module, why it was selected)
 Selection = dict[str, tuple[nn.Module, str]]
 
 
-def strip(name: str) -> str:
-    """``name`` without the prefixes DDP and torch.compile add."""
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
-            elif name + "." == prefix:
-                name, changed = "", True
-    return name
+def wrapper_prefix(model: nn.Module) -> str:
+    """The prefix the wrappers around ``model``'s own root add to every qualified name ("module.",
+    "module._orig_mod.", or ""): a root is a wrapper when it is one of :data:`_WRAPPERS` (a subclass
+    too), or holds nothing but one child named ``module`` or ``_orig_mod`` (no parameters of its own:
+    ``AveragedModel``, an EMA copy, a user's wrapper), so a submodule a model names ``module`` beside
+    others keeps its name."""
+    prefix = ""
+    while True:
+        child = next((name for cls in type(model).__mro__ if (name := _WRAPPERS.get(cls.__name__))), None)
+        if child is None and len(model._modules) == 1 and not model._parameters:
+            child = next(iter(model._modules))
+            child = child if child in _WRAPPERS.values() else None
+        inner = model._modules.get(child) if child is not None else None
+        if inner is None:
+            return prefix
+        prefix += f"{child}."
+        model = inner
+
+
+def strip(name: str, prefix: str) -> str:
+    """``name`` without ``prefix`` (:func:`wrapper_prefix`): the name it has in the wrapped model ("" for
+    the root and the wrappers around it)."""
+    if name.startswith(prefix):
+        return name[len(prefix):]
+    return "" if prefix.startswith(name + ".") or not name else name
 
 
 def check_selectors(value: Any, argument: str = "fp32") -> list[Selector]:
@@ -102,7 +119,7 @@ def _label(selector: Any) -> str:
     return getattr(selector, "__name__", type(selector).__name__)
 
 
-def _unselectable(name: str, module: nn.Module, parents: dict[int, nn.Module]) -> str | None:
+def unselectable(name: str, module: nn.Module, parents: dict[int, nn.Module]) -> str | None:
     """Why wrapping ``module``'s forward would change nothing, or None."""
     parent = parents.get(id(module))
     if isinstance(parent, nn.MultiheadAttention) and module is parent.out_proj:
@@ -118,49 +135,54 @@ def select(model: nn.Module, selectors: Sequence[Selector], *, head: str | None,
     matched. Raises (nothing changed) for a selector matching nothing, an explicit selection of a
     module whose forward is never called, or a predicate that raises or returns something not a bool."""
     parents = {id(child): m for m in model.modules() for child in m.children()}
+    prefix = wrapper_prefix(model)
     chosen: Selection = {}
     skipped: dict[str, str] = {}
     first_name: dict[int, str] = {}
     matched: set[int] = set()
     for name, module in model.named_modules(remove_duplicate=False):
         key = first_name.setdefault(id(module), name)
-        if not strip(name):  # the root (or the model DDP or torch.compile wraps) is never selected: its children are
+        bare = strip(name, prefix)
+        if not bare:  # the root (or the model DDP or torch.compile wraps) is never selected: its children are
             continue
-        for i, selector in enumerate(selectors):
-            reason = _match(selector, name, module, head, argument)
-            if reason is None:
+        # every selector that picks the module counts as matched; the first one's reason is kept
+        reasons = [(i, selector, reason) for i, selector in enumerate(selectors)
+                   if (reason := _match(selector, bare, module, head, argument)) is not None]
+        matched.update(i for i, _, _ in reasons)
+        if reasons:
+            why_not = unselectable(name, module, parents)
+            if why_not is None:
+                chosen.setdefault(key, (module, reasons[0][2]))
                 continue
-            matched.add(i)
-            why_not = _unselectable(name, module, parents)
-            if why_not is not None:
-                if isinstance(selector, (str, nn.Module)):
-                    raise ValueError(f"precision_policy({argument}=...): {_label(selector)} selects '{strip(name)}', "
-                                     f"which cannot run in another precision this way: {why_not} (nothing changed)")
-                skipped[key] = why_not
-                break
-            chosen.setdefault(key, (module, reason))
-            break
+            explicit = [s for _, s, _ in reasons if isinstance(s, (str, nn.Module)) and s != RECIPE]
+            if explicit:
+                raise ValueError(f"precision_policy({argument}=...): {_label(explicit[0])} selects '{bare}', "
+                                 f"which cannot run in another precision this way: {why_not} (nothing changed)")
+            skipped[key] = why_not
         else:
             reason = next((why for why, types in extra if isinstance(module, types)), None)
-            if reason is not None and key not in chosen and _unselectable(name, module, parents) is None:
+            if reason is not None and key not in chosen and unselectable(name, module, parents) is None:
                 chosen[key] = (module, reason)
     unmatched = [s for i, s in enumerate(selectors) if i not in matched and s != RECIPE]
     foreign = [s for s in unmatched if isinstance(s, nn.Module)]
+    roots = {id(m) for n, m in model.named_modules() if not strip(n, prefix)}  # the model and its wrappers
+    if any(id(s) in roots for s in foreign):
+        raise ValueError(f"precision_policy({argument}=...): the model itself is never selected (every layer would "
+                         "leave autocast): select its children, or turn autocast off (nothing changed)")
     if foreign:
         raise ValueError(f"precision_policy({argument}=...): {_label(foreign[0])} is not a submodule of this model "
                          "(a copy, or another model's?): pass the model's own module, e.g. model.head, or its name "
                          "(nothing changed)")
     if unmatched:
         shown = ", ".join(map(_label, unmatched))
-        names = [n for n in (strip(n) for n, _ in model.named_modules()) if n][:12]
+        names = [n for n in (strip(n, prefix) for n, _ in model.named_modules()) if n][:12]
         raise ValueError(f"precision_policy({argument}=...): {shown} selects no module of this model (nothing changed). "
                          f"Module names look like: {', '.join(names) or '(no submodules)'}"
                          f"{' ...' if len(names) == 12 else ''}")
     return chosen, skipped
 
 
-def _match(selector: Selector, name: str, module: nn.Module, head: str | None, argument: str) -> str | None:
-    bare = strip(name)
+def _match(selector: Selector, bare: str, module: nn.Module, head: str | None, argument: str) -> str | None:
     if selector == RECIPE:
         if isinstance(module, NORM_TYPES):
             return f"recipe: {type(module).__name__}"
@@ -193,11 +215,13 @@ def recipe_head(model: nn.Module, example_inputs: Any = None, device_type: str |
     the forward's last matmul-like op (the model run once, untouched); a module that runs it in its
     own forward among other work (a tied LM head as ``F.linear`` in the model's forward) cannot be
     selected alone: None, with the reason. Without: the last ``nn.Linear`` registered."""
+    prefix = wrapper_prefix(model)
     if example_inputs is None:
+        parents = {id(child): m for m in model.modules() for child in m.children()}
         last = None
         for name, module in model.named_modules():
-            if isinstance(module, nn.Linear):
-                last = strip(name)
+            if isinstance(module, nn.Linear) and unselectable(name, module, parents) is None:
+                last = strip(name, prefix)
         return last, "the last nn.Linear registered (pass example_inputs to find the head by running the model)"
     from ..tracing.attribution import Attribution
     from ..tracing.isolation import call_args, untouched
@@ -220,4 +244,4 @@ def recipe_head(model: nn.Module, example_inputs: Any = None, device_type: str |
     if next(module.children(), None) is not None:
         return None, (f"the last matmul ran in '{name or '(model)'}''s own forward ({forward[-1].shape}), among its "
                       "other work (a tied LM head as F.linear?): a module policy cannot run it alone in float32")
-    return strip(name), f"the module that ran the forward's last matmul ({forward[-1].shape})"
+    return strip(name, prefix), f"the module that ran the forward's last matmul ({forward[-1].shape})"

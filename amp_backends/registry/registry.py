@@ -408,6 +408,24 @@ def resolve_backend(backend: str | Device | Any = None, device: str | Any = None
     )
 
 
+def registered(backend: Any = None, device: Any = None) -> Device | None:
+    """The registered backend ``backend``/``device`` name as :func:`resolve_backend` takes them, whether or
+    not it is usable here (a disabled scaler for a device this machine lacks); None where none is."""
+    if isinstance(device, (str, torch.device)):
+        key = torch.device(device).type
+    elif isinstance(backend, torch.device):
+        key = backend.type
+    elif isinstance(backend, str):
+        key = torch.device(backend).type if ":" in backend else backend.strip().lower()
+    else:
+        return None
+    _DEFAULT._ensure_loaded()
+    entries = _DEFAULT._table.entries
+    if key in entries:
+        return entries[key][0]
+    return next((b for _, (b, _, _) in sorted(entries.items()) if b.device_type == key), None)
+
+
 def names() -> list[str]:
     """Every registered backend name."""
     return _DEFAULT.names()

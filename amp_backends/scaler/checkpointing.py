@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..registry.registry import get
+from ..registry.registry import get, registered
 from .gradwork import GradientOp
 from .validation import f32, validate_state_dict
 
@@ -60,7 +60,8 @@ class Checkpointing(torch.amp.GradScaler):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
-        state["backend"] = get(state["backend"])
+        enabled = state.get("_enabled", True) or state.get("_check_finite", False)
+        state["backend"] = get(state["backend"]) if enabled else (registered(state["backend"]) or get(state["backend"]))
         state["_grads"] = GradientOp(state["backend"], state["_grads"])
         state.pop("_plans", None)  # pickled before the treatments replaced the plans
         state["_treatments"] = weakref.WeakKeyDictionary()

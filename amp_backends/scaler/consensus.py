@@ -7,12 +7,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["agree", "named_group", "ranks_agree_on_status", "share_status"]
+__all__ = ["agree", "check_group_ready", "named_group", "ranks_agree_on_status", "share_status"]
 
 
 def named_group(process_group: Any) -> Any:
     """The ``process_group`` a scaler was given, as torch.distributed takes it (``"world"``: None)."""
     return None if process_group == "world" else process_group
+
+
+def check_group_ready(process_group: Any) -> None:
+    """Refuse ``"world"`` while torch.distributed has no default group, before any gradient is touched
+    (the all-reduce after the unscale would raise with the gradients divided and the stage not moved)."""
+    if process_group != "world":
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("GradScaler(process_group='world'): torch.distributed has no default process group: "
+                           "call torch.distributed.init_process_group(...) before the first step, or build the "
+                           "scaler with process_group=None in a single process (nothing was unscaled)")
 
 
 def agree(found: dict[torch.device, torch.Tensor], process_group: Any) -> None:

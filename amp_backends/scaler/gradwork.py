@@ -51,6 +51,7 @@ class GradientOp:
         1/scale is finite; ``inv_scale``: 1/scale computed by the caller (torch's ``_unscale_grads_``).
         Returns found_inf per device and the arena whose buffers the op ran on (None:
         a walk found the gradients)."""
+        consensus.check_group_ready(self.process_group)
         groups, arena = collect(optimizer, allow_fp16, norm_sq is not None)
         kernel = self.settled_kernel()
         if inv_scale is None and scale is not None:

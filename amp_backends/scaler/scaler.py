@@ -25,7 +25,8 @@ from torch.amp.grad_scaler import OptState
 
 from ..devices.contract import Device
 from ..eager import eager, eager_frame
-from ..registry.registry import resolve_backend
+from ..errors import BackendUnavailableError
+from ..registry.registry import registered, resolve_backend
 from ..torch_private import refresh_per_optimizer_state as _refresh_per_optimizer_state
 from . import clipping, steps
 from .checkpointing import Checkpointing
@@ -34,6 +35,7 @@ from .steps import PerOptimizerState, sum_on
 from .telemetry import ScalerStats, Signals, Telemetry
 from .treatment import Treatment, choose, momentum_buffers_missing
 from .validation import (
+    SMALLEST_SCALE,
     check_factors,
     check_new_scale,
     check_process_group,
@@ -46,6 +48,19 @@ if TYPE_CHECKING:
     from ..gradients.arena import FlatGrads
 
 __all__ = ["GradScaler", "ScalerStats"]
+
+
+def _backend_of(backend: Any, device: Any, used: bool) -> Device:
+    """The backend a scaler runs on. A scaler that scales and checks nothing (``enabled=False``, no
+    ``check_finite``) may name a device this machine lacks, as torch's may: the pattern
+    ``GradScaler("cuda", enabled=use_amp)`` runs on a CPU-only machine with ``use_amp`` False."""
+    try:
+        return resolve_backend(backend, device)
+    except BackendUnavailableError:
+        stand_in = None if used else registered(backend, device)
+        if stand_in is None:
+            raise
+        return stand_in
 
 
 class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
@@ -89,7 +104,7 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
         init_scale, growth_factor, backoff_factor = map(scalar_arg, (init_scale, growth_factor, backoff_factor))
         check_factors(init_scale, growth_factor, backoff_factor, growth_interval, ValueError)
         check_process_group(process_group)
-        self.backend: Device = resolve_backend(backend, device)
+        self.backend: Device = _backend_of(backend, device, enabled or self._check_finite)
         super().__init__(
             self.backend.device_type,
             init_scale=float(init_scale),
@@ -149,7 +164,7 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
         Under torch.compile this frame is not traced, and ``optimizer.step()`` is compiled as a
         frame of its own, as with torch's scaler: every other call here runs eagerly.
         """
-        treatment = self._treatments.get(optimizer) or self._treatment(optimizer)
+        treatment = self._treatment(optimizer)
         if treatment.skips_on_device and isinstance(optimizer, torch.optim.SGD) and momentum_buffers_missing(optimizer):
             treatment = Treatment.FROM_HOST  # fused SGD: a step skipped on the device leaves new buffers unset
         if treatment is Treatment.REFUSED:
@@ -163,8 +178,7 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
             try:
                 result = optimizer.step(*args, **kwargs)
             finally:  # they hold for this step only
-                optimizer.__dict__.pop("grad_scale", None)
-                optimizer.__dict__.pop("found_inf", None)
+                steps.end_hand_over(optimizer)
             steps.record_on_device(self, optimizer)
             return result
         # the host decides: FORWARD, CHECK_ONLY, PLAIN, FROM_HOST
@@ -177,14 +191,23 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
             verdict = steps.plain_verdict(self, optimizer, kwargs)
         else:  # FROM_HOST: checked first, skipped with the gradients untouched, else unscaled
             verdict = steps.from_host_verdict(self, optimizer, kwargs)
-        result = None if verdict.skipped else optimizer.step(*args, **kwargs)
+        try:
+            result = None if verdict.skipped else optimizer.step(*args, **kwargs)
+        finally:
+            if treatment is Treatment.FROM_HOST:  # a grad_scale the user set holds for this step only
+                steps.end_hand_over(optimizer)
         steps.record_from_host(self, optimizer, verdict)
         return result
 
     @eager
     def _treatment(self, optimizer: torch.optim.Optimizer) -> Treatment:
-        """``optimizer``'s treatment, chosen at its first step (:func:`~.treatment.choose`), then kept."""
-        treatment = self._treatments.get(optimizer)
+        """``optimizer``'s treatment, chosen at its first step (:func:`~.treatment.choose`), then kept; an
+        optimizer that cannot be a weak key (unhashable: a subclass defining ``__eq__``; ``__slots__``
+        without ``__weakref__``) has it chosen again at each step, as nothing may be kept by ``id``."""
+        try:
+            treatment = self._treatments.get(optimizer)
+        except TypeError:
+            return choose(self._enabled, self._check_finite, self.backend, optimizer)
         if treatment is None:
             treatment = choose(self._enabled, self._check_finite, self.backend, optimizer)
             self._treatments[optimizer] = treatment
@@ -232,8 +255,9 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
         step will be skipped, inf when the scale has underflowed to 0). With torch's kernel
         this is ``unscale_`` followed by ``torch.nn.utils.clip_grad_norm_``, bit for bit.
         With a kernel that measures the norm while it unscales (Triton) one pass unscales,
-        checks and sums squares. With a fused optimizer (``AdamW(fused=True)``) the
-        gradients are only read: the clip is folded into the optimizer's ``grad_scale``.
+        checks and sums squares. With a fused optimizer (``AdamW(fused=True)``) too, the
+        gradients are unscaled and clipped in place, and the kernel then steps on them as torch's
+        fused protocol does after ``unscale_``.
 
         The total norm is kept in :attr:`stats` (``grad_norm``), and with ``per_group`` each
         parameter group's norm before clipping (``group_grad_norms``), both as device tensors:
@@ -302,6 +326,8 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
                 overflow = torch.stack([sum_on(s["found_inf_per_device"], scale.device) for _, s in stepped]).sum() > 0
             if self._dynamic:
                 super().update()
+                if self._scale is not None:  # backed off no further than a scale whose reciprocal is finite
+                    self._scale.clamp_(min=SMALLEST_SCALE)
             else:  # static loss scaling: the scale stays; only the iteration's state is reset
                 self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
             factors = (self._growth_factor, self._backoff_factor, self._growth_interval) if self._dynamic else None
@@ -318,8 +344,15 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
         super().set_backoff_factor(float(new_factor))
 
     def set_growth_interval(self, new_interval: int) -> None:
+        """torch's setter; clean steps already counted past a shorter interval leave the tracker one short
+        of it (torch's keeps counting past it, and the scale never grows again)."""
         check_factors(1.0, 2.0, 0.5, new_interval, ValueError)
         super().set_growth_interval(int(new_interval))
+        tracker = getattr(self, "_growth_tracker", None)
+        if isinstance(tracker, torch.Tensor) and int(tracker.item()) >= int(new_interval):
+            tracker.fill_(int(new_interval) - 1)
+        elif not isinstance(tracker, torch.Tensor) and self._init_growth_tracker >= int(new_interval):
+            self._init_growth_tracker = int(new_interval) - 1
 
     def __repr__(self) -> str:
         return f"<GradScaler backend={self.backend.name!r} enabled={self._enabled}>"

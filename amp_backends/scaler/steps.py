@@ -244,6 +244,13 @@ def hand_over(scaler: ScalerState, optimizer: torch.optim.Optimizer, treatment: 
     optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
 
 
+def end_hand_over(optimizer: torch.optim.Optimizer) -> None:
+    """``grad_scale`` and ``found_inf`` (the scaler's or the user's) off the optimizer after its step, as
+    torch's scaler removes them: they hold for one step."""
+    optimizer.__dict__.pop("grad_scale", None)
+    optimizer.__dict__.pop("found_inf", None)
+
+
 @eager
 def refusal(scaler: ScalerState, optimizer: torch.optim.Optimizer) -> RuntimeError:
     """REFUSED: the error for a fused optimizer the device cannot run, raised before anything changes."""

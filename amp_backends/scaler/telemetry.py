@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .validation import f32
+from .validation import SMALLEST_SCALE, f32
 
 __all__ = ["ScalerStats", "Signals", "Telemetry"]
 
@@ -122,7 +122,7 @@ class Telemetry:
     def _advance_mirror(self, overflow: bool, growth: float, backoff: float, interval: int) -> None:
         value, tracker = self.mirror  # type: ignore[misc]  # called only while the mirror is set
         if overflow:
-            value, tracker = f32(value * backoff), 0
+            value, tracker = max(f32(value * backoff), SMALLEST_SCALE), 0
         elif tracker + 1 == interval:
             grown = f32(value * growth)
             value, tracker = (grown if math.isfinite(grown) else value), 0

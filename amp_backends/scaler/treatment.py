@@ -97,5 +97,12 @@ def momentum_buffers_missing(optimizer: torch.optim.Optimizer) -> bool:
     kernel that skips (found_inf) leaves it uninitialised, and the next step trains on garbage (torch 2.13;
     CPU and CUDA kernels, and op-plugin's and torch_musa's, have the same early return). Such a step is
     skipped from the host instead."""
-    return isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum") for g in optimizer.param_groups) \
-        and len(optimizer.state) < sum(len(g["params"]) for g in optimizer.param_groups)
+    if not isinstance(optimizer, torch.optim.SGD) or not any(g.get("momentum") for g in optimizer.param_groups):
+        return False
+    state = optimizer.state
+    if len(state) >= sum(len(g["params"]) for g in optimizer.param_groups):
+        return False  # (every parameter has its buffer: the common case, counted)
+    # a parameter that never gets a gradient, or one in a group without momentum, never gets a buffer:
+    # only those this step moves count
+    return any(p.grad is not None and "momentum_buffer" not in state.get(p, {})
+               for g in optimizer.param_groups if g.get("momentum") for p in g["params"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import struct
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,8 +14,8 @@ import torch
 
 from ..errors import StateDictError
 
-__all__ = ["as_float", "check_factors", "check_new_scale", "check_process_group", "clip_args", "f32", "flag",
-           "validate_state_dict"]
+__all__ = ["SMALLEST_SCALE", "as_float", "check_factors", "check_new_scale", "check_process_group", "clip_args",
+           "f32", "flag", "validate_state_dict"]
 
 _STATE_KEYS: dict[str, type] = {
     "scale": float,
@@ -24,6 +25,9 @@ _STATE_KEYS: dict[str, type] = {
     "_growth_tracker": int,
 }
 _INT32_MAX = 2**31 - 1
+#: The smallest scale the scaler backs off to: its float32 reciprocal (2**126) is finite, so an unscale
+#: never multiplies the gradients by inf (torch's backs off to 0 and its unscale then writes inf).
+SMALLEST_SCALE = 2.0**-126
 
 
 def f32(x: float) -> float:
@@ -98,9 +102,11 @@ def check_new_scale(new_scale: Any, device: torch.device) -> float | torch.Tenso
                 f"does not require grad, got a tensor of shape {tuple(new_scale.shape)} and dtype {new_scale.dtype}"
             )
         value = float(new_scale.detach().float().reshape(()).item())  # one host read, on an explicit call only
-        if not (math.isfinite(value) and value > 0 and math.isfinite(f32(value)) and f32(value) > 0):
-            raise ValueError(f"new_scale must be finite and > 0 (as a float32), got a tensor holding {value!r}: "
-                             "an inf, NaN, zero or negative scale would skip or corrupt every later step")
+        if not (math.isfinite(value) and value > 0 and math.isfinite(f32(value)) and f32(value) > 0
+                and math.isfinite(f32(1.0 / f32(value)))):
+            raise ValueError(f"new_scale must be finite and > 0, with a finite reciprocal (as a float32: at least "
+                             f"2**-126 is safe), got a tensor holding {value!r}: an inf, NaN, zero, negative or tiny "
+                             "scale would skip or corrupt every later step")
         return new_scale.detach().reshape(()).to(device=device, dtype=torch.float32)
     check_factors(new_scale, 2.0, 0.5, 1, ValueError, what="new_scale")
     return float(new_scale)
@@ -123,6 +129,9 @@ def check_factors(
     stored = f32(float(init_scale))
     if not (math.isfinite(stored) and stored > 0):
         raise error(f"{what} {init_scale!r} does not fit a float32 (the scale tensor's dtype): it would be {stored!r}")
+    if not math.isfinite(f32(1.0 / stored)):
+        raise error(f"{what} {init_scale!r} is so small that its reciprocal overflows float32, so the unscaled "
+                    "gradients would be inf: use a scale of at least 2**-126")
     if not number(growth_factor) or not float(growth_factor) > 1.0:
         raise error(f"growth_factor must be a finite number > 1.0, got {growth_factor!r}")
     if not number(backoff_factor) or not 0.0 < float(backoff_factor) < 1.0:
@@ -179,10 +188,10 @@ def validate_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             raise StateDictError(f"GradScaler state_dict['dynamic'] must be True or False, got {type(dynamic).__name__} "
                                  f"{dynamic!r}")
         values["dynamic"] = dynamic
-    if tracker >= values["growth_interval"]:
-        raise StateDictError(
+    if tracker >= values["growth_interval"]:  # saved after set_growth_interval shortened it (torch's setter allows it)
+        warnings.warn(
             f"GradScaler state_dict['_growth_tracker'] is {tracker}, not below growth_interval "
-            f"({values['growth_interval']}): the scale would never grow again. A scaler saves a tracker "
-            "in [0, growth_interval)."
-        )
+            f"({values['growth_interval']}): loaded as {values['growth_interval'] - 1}, so the next clean step "
+            "grows the scale (as saved, it would never grow again)", RuntimeWarning, stacklevel=3)
+        values["_growth_tracker"] = values["growth_interval"] - 1
     return values

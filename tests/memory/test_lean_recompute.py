@@ -375,5 +375,5 @@ def test_a_recomputed_model_pickles_whole_and_the_loaded_one_runs_its_own_blocks
         buffer.seek(0)
         loaded = torch.load(buffer, weights_only=False)
         assert all(b.forward.block is b for b in loaded.transformer.h)
-        assert loaded.transformer.h[0].forward.context.args[0].save == model.transformer.h[0].forward.context.args[0].save
+        assert loaded.transformer.h[0].forward.policy.save == model.transformer.h[0].forward.policy.save
         _bitwise(_step("gpt2", loaded, amp=lean), _step("gpt2", model, amp=lean))

@@ -98,8 +98,8 @@ def test_the_layers_converted_and_those_left_with_why():
     assert policy.fp8 == {"0": "Linear", "2": "Linear", "4": "Linear"}
     assert policy.fp8_skipped == {
         "1": "not an nn.Linear (GELU): fp8 training converts Linear layers",
-        "5": "float32 by this policy (float32 beats fp8)",  # the recipe's norm
-        "6": "float32 by this policy (float32 beats fp8)",  # the recipe's head
+        "5": "float32 by this policy, itself or a module holding it (float32 beats fp8)",  # the recipe's norm
+        "6": "float32 by this policy, itself or a module holding it (float32 beats fp8)",  # the recipe's head
     }
     assert policy.selected == {"5": "recipe: LayerNorm", "6": "recipe: the final classifier / head"}
     assert repr(policy) == "<PrecisionPolicy fp32: 5, 6; fp8 (tensorwise): 0, 2, 4>"

@@ -99,17 +99,15 @@ def test_selectors_types_patterns_predicates_and_the_recipe():
 
 
 def test_patterns_ignore_ddp_and_compile_prefixes():
-    class Wrapper(nn.Module):  # DDP and torch.compile hold the model as .module / ._orig_mod
-        def __init__(self, inner):
-            super().__init__()
-            self.module = inner
-
-        def forward(self, x):
-            return self.module(x)
-
-    model = Wrapper(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    inner = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    model = nn.DataParallel(inner)  # DDP and DataParallel hold the model as .module (on the CPU: one replica, itself)
     policy = precision_policy(model, fp32=["1"])
     assert list(policy.selected) == ["module.1"]
+    policy.remove()
+    compiled = torch.compile(inner)  # torch.compile's module holds it as ._orig_mod (nothing is compiled here)
+    policy = precision_policy(compiled, fp32=["1"])
+    assert list(policy.selected) == ["_orig_mod.1"]
+    policy.remove()
 
 
 @pytest.mark.parametrize("bad", [["no_such_layer"], [nn.GRU], [42], [int]], ids=["pattern", "type", "number", "not-module"])

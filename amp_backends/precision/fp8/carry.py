@@ -1,5 +1,6 @@
 """What an fp8 layer carries over from the Linear it replaces, and gives back on ``remove()``: the
-module's hooks, and with fp8 all-gather the weight's parameter object itself.
+module's hooks, the user's own attributes set on it (a scale its parent's forward reads), and with fp8
+all-gather the weight's parameter object itself.
 
 torchao's ``from_float`` with ``enable_fsdp_float8_all_gather`` wraps the weight in a new parameter
 (``WeightWithDynamicFloat8CastTensor``, holding the original in ``_tensor``). An optimizer built before
@@ -21,7 +22,7 @@ from torch import nn
 
 from ...torch_private import tensor_use_count
 
-__all__ = ["carry_hooks", "swap_in", "swap_out", "swap_reason"]
+__all__ = ["CARRIED", "carry_attributes", "carry_hooks", "swap_in", "swap_out", "swap_reason"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
@@ -40,6 +41,27 @@ def carry_hooks(source: nn.Module, target: nn.Module) -> None:
     if "_is_full_backward_hook" in source.__dict__:
         target._is_full_backward_hook = source.__dict__["_is_full_backward_hook"]
     target.train(source.training)
+
+
+#: The fp8 layer's record of the user's attributes carried onto it (given back at ``remove()``).
+CARRIED = "_amp_backends_carried"
+
+
+def carry_attributes(source: nn.Module, target: nn.Module, names: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """``source``'s own attributes ``names`` (default: the public ones the user set on it, a scale its
+    parent's forward reads, that ``target`` lacks; private ones are a library's, such as Accelerate's
+    hook bound to ``source``), set on ``target`` as the same objects; returns the names, to carry back."""
+    if names is None:
+        names = tuple(k for k in source.__dict__
+                      if not k.startswith("_") and k not in _MODULE_ATTRS and k not in target.__dict__)
+    for name in names:
+        if name in source.__dict__:
+            target.__dict__[name] = source.__dict__[name]
+    return names
+
+
+#: What every module holds itself (torch's own attributes): never carried as the user's.
+_MODULE_ATTRS = frozenset(nn.Module().__dict__) | {"forward", "training"}
 
 
 def swap_reason(param: Any) -> str | None:

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..selectors import RECIPE, Selector, select, strip
+from ..selectors import RECIPE, Selector, select, strip, unselectable, wrapper_prefix
 from . import engine as fp8
-from .carry import carry_hooks, swap_in, swap_out, swap_reason
+from .carry import CARRIED, carry_attributes, carry_hooks, swap_in, swap_out, swap_reason
 from .eligible import state_names
 from .mx import MX_RECIPES, MxConfig, shape_reason
 
@@ -24,7 +24,7 @@ __all__ = ["Fp8Conversion", "convert", "layer_reason"]
 
 _FIRST = "the first Linear layer the model runs (the recipe keeps it in the autocast dtype)"
 _LAST = "the last Linear layer the model runs (the recipe keeps it in the autocast dtype)"
-_FLOAT32 = "float32 by this policy (float32 beats fp8)"
+_FLOAT32 = "float32 by this policy, itself or a module holding it (float32 beats fp8)"
 _HEAD = "the head (the recipe keeps it out of fp8)"
 
 
@@ -74,6 +74,7 @@ class Fp8Conversion:
                 if target._parameters.get(leaf) is not value:
                     setattr(target, leaf, value)
             carry_hooks(layer, original)
+            carry_attributes(layer, original, layer.__dict__.pop(CARRIED, ()))
             fp8.swap(model, layer, original)
         self._layers.clear()
 
@@ -172,7 +173,7 @@ def convert(model: nn.Module, selectors: Sequence[Selector], *, recipe: str, emu
         for name, (module, _) in plan.items():
             why = swap_reason(module.weight)
             if why is not None:
-                raise ValueError(f"precision_policy(fp8_all_gather=True): {strip(name)!r}: {why}: the fp8 all-gather "
+                raise ValueError(f"precision_policy(fp8_all_gather=True): {strip(name, wrapper_prefix(model))!r}: {why}: the fp8 all-gather "
                                  "weight cannot take its place; apply the policy before wrapping the model or keeping "
                                  "references to its weights, or use fp8_all_gather=False (nothing changed)")
     make = Fp8Layer(conversion, backend, fp8.config(recipe, emulate, all_gather))
@@ -188,6 +189,7 @@ def convert(model: nn.Module, selectors: Sequence[Selector], *, recipe: str, emu
                 _check_converted(module, layer)
             layer.fp8_recipe = recipe
             carry_hooks(module, layer)
+            layer.__dict__[CARRIED] = carry_attributes(module, layer)
             fp8.swap(model, module, layer)
             conversion._layers[name] = (module, layer)
             conversion._reasons[name] = reason if convert_one is None else f"{reason} (converted by fp8_convert)"
@@ -254,15 +256,18 @@ def _plan(model: nn.Module, selectors: Sequence[Selector], recipe: str, float32:
     chosen, skipped = select(model, explicit, head=None, argument="fp8") if explicit else ({}, {})
     if RECIPE in selectors:
         # named_modules() gives a shared module once, under its first name
-        linears = [name for name, module in model.named_modules() if strip(name) and isinstance(module, nn.Linear)]
-        order = fp8.linear_order(model, example_inputs, linears)
+        prefix = wrapper_prefix(model)
+        parents = {id(child): m for m in model.modules() for child in m.children()}
+        linears = [name for name, module in model.named_modules() if strip(name, prefix) and isinstance(module, nn.Linear)]
+        callable_ = [name for name in linears if unselectable(name, model.get_submodule(name), parents) is None]
+        order = fp8.linear_order(model, example_inputs, callable_)
         ends = {order[0]: _FIRST, order[-1]: _LAST} if order else {}
         for name in linears:
             if name in chosen or name in skipped:
                 continue
             module = model.get_submodule(name)
-            why_not = (_FLOAT32 if id(module) in float32 else ends.get(name)
-                       or (_HEAD if head is not None and strip(name) == head else None)
+            why_not = (unselectable(name, module, parents) or (_FLOAT32 if id(module) in float32 else ends.get(name))
+                       or (_HEAD if head is not None and strip(name, prefix) == head else None)
                        or _eligibility(module, converters, recipe) or fp8.too_small(module, recipe))
             if why_not is not None:
                 skipped[name] = why_not

@@ -288,8 +288,8 @@ def is_fp8(module: nn.Module) -> bool:
 
 
 def linear_order(model: nn.Module, example_inputs: Any, names: Sequence[str]) -> list[str]:
-    """``names`` (Linear layers) in the order the forward runs them (the model run once, untouched),
-    else in registration order."""
+    """``names`` (Linear layers) in the order the forward runs them (the model run once, untouched; the
+    layers it never calls left out), else (no ``example_inputs``) in registration order."""
     if example_inputs is None:
         return list(names)
     from ...tracing.isolation import call_args, untouched
@@ -306,7 +306,7 @@ def linear_order(model: nn.Module, example_inputs: Any, names: Sequence[str]) ->
     finally:
         for h in handles:
             h.remove()
-    return ran + [n for n in names if n not in ran]
+    return ran
 
 
 def places(model: nn.Module, module: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -334,7 +334,7 @@ def as_linear(model: nn.Module) -> Iterator[list[str]]:
     again. An fp8 layer that is more than a Linear (a ``fp8_convert`` class with a forward, parameters or
     submodules of its own, such as a LoRA adapter) stays: a plain Linear would drop what it adds. The
     block gets the names of those left in fp8."""
-    from .carry import carry_hooks
+    from .carry import CARRIED, carry_attributes, carry_hooks
 
     layers = [m for m in model.modules() if is_fp8(m) and hasattr(m, "weight")]
     swapped, kept = [], []
@@ -354,6 +354,7 @@ def as_linear(model: nn.Module) -> Iterator[list[str]]:
             plain.in_features, plain.out_features = layer.weight.shape[1], layer.weight.shape[0]
             plain.weight, plain.bias = layer.weight, getattr(layer, "bias", None)
             carry_hooks(layer, plain)
+            carry_attributes(layer, plain, layer.__dict__.get(CARRIED, ()))  # the user's: its parent's forward may read them
             swap(model, layer, plain)
             swapped.append((layer, plain))
         yield kept
