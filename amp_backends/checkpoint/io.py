@@ -266,16 +266,23 @@ def load(path: str | os.PathLike[str], kind: str, required: tuple[str, ...] = ()
     return checkpoint_values.decode(payload, lambda m: CheckpointError(f"{_shown(source)} {m}"))
 
 
+#: Modules a checkpoint has no use for, whose globals torch's weights-only loading blocks (2.5+): a file
+#: naming one is said to be possibly malicious, never to be allowlisted (torch 2.4 does not say so itself).
+_BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt", "subprocess", "builtins", "shutil", "socket", "runpy"})
+
+
 def _why_unreadable(exc: Exception) -> str:
     """torch's error in one line, without its terminal escape codes, and without its advice to load
     with ``weights_only=False`` (which this loader never does): the global it refused, and the safe way."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
     blocked = re.search(r"unsupported GLOBAL ([\w.]+) whose module ([\w.]+) is blocked", text)
+    refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if refused and refused.group(1).split(".")[0] in _BLOCKED_MODULES:  # (torch 2.4 names no blocklist)
+        blocked = re.search(r"(([\w]+)\.[\w.]+)", refused.group(1))
     if blocked:
         return (f"it holds {blocked.group(1)}, which weights-only (safe) loading refuses outright (module "
                 f"{blocked.group(2)} is blocked: a checkpoint has no use for it, so the file may be malicious); "
                 "do not load it")
-    refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
     if refused:
         return (f"it holds {refused.group(1)}, which weights-only (safe) loading refuses; if you trust the file, "
                 f"allowlist it with torch.serialization.add_safe_globals([{refused.group(1).rsplit('.', 1)[-1]}])")

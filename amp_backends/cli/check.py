@@ -26,10 +26,13 @@ def load_target(target: str, size: str = "small") -> tuple[nn.Module, Any, Calla
     if not sep or not module_name or not attr:
         raise AmpBackendsError(f"{target!r} is not MODULE:FACTORY (e.g. mypkg.models:make, or bench:gpt2-small)")
     if module_name == "bench":
-        from .bench_models import MODELS
+        from .bench_models import MODELS, model_unavailable
+        from .bench_thirdparty import THIRD_PARTY_NAMES
 
         if attr not in MODELS:
-            raise AmpBackendsError(f"bench:{attr}: no such bench model; choose from {', '.join(MODELS)}")
+            why = model_unavailable(attr) if attr in THIRD_PARTY_NAMES else None
+            raise AmpBackendsError(f"bench:{attr}: {why}" if why else
+                                   f"bench:{attr}: no such bench model; choose from {', '.join(MODELS)}")
         spec = MODELS[attr]
         torch.manual_seed(0)  # the bench's initialisation: the same report every run
         inputs, targets = spec.batch(size, torch.device("cpu"), None)

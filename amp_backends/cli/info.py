@@ -63,8 +63,11 @@ def collect(registry: Registry | None = None) -> dict[str, Any]:
             fp8_recipes = list(backend.fp8_recipes()) if fp8_dtypes else []
         except Exception as exc:  # noqa: BLE001 - a vendor's declaration failing costs only its fp8 column
             fp8_dtypes, fp8_recipes = [f"error: {type(exc).__name__}: {exc}"], []
-        declared = backend.fused_found_inf or {}
-        fused = {kind: (v if isinstance(v, str) else v[0]) for kind, v in declared.items()}
+        try:
+            declared = backend.fused_found_inf or {}
+            fused = {kind: (v if isinstance(v, str) else v[0]) for kind, v in declared.items()}
+        except Exception as exc:  # noqa: BLE001 - a vendor's declaration failing costs only its column
+            fused = {"error": f"{type(exc).__name__}: {exc}"}
         if EVERY_KIND in fused:
             fused = {"all": fused[EVERY_KIND]}
         built = backend.built_for_torch

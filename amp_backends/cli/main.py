@@ -70,8 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="instead of timing: the training memory of each model and mode by part (parameters, "
                             "gradients, optimizer, masters, weight copies, activations), counted at --size (default "
                             "full) without arithmetic on a CPU, and each mode's loss after --loss-steps steps")
-    bench.add_argument("--loss-steps", type=int, default=200,
-                       help="with --memory: training steps (small size) before the loss is read; 0: no loss")
+    bench.add_argument("--loss-steps", type=int, default=None,
+                       help="with --memory: training steps (small size) before the loss is read (200); 0: no loss")
 
     check = sub.add_parser("check", help="what AMP will do to a model: precision per layer, shapes, fp16 range")
     check.add_argument("target", metavar="MODULE:FACTORY",
@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="measure each Linear layer in every candidate format and print the per-layer precision "
                             "plan within --budget, with each choice's reason (--json: per layer its format and each "
                             "candidate's measured error)")
-    check.add_argument("--budget", type=float, default=0.05,
+    check.add_argument("--budget", type=float, default=None,
                        help="with --plan: the largest relative error a layer's output and gradients may have (0.05)")
     check.add_argument("--emulate", action="store_true",
                        help="with --plan: 8-bit formats may be planned on a device without them (their numerics)")
@@ -193,13 +193,16 @@ def _run(args: argparse.Namespace) -> int:
             raise CLIError(f"--scale must be in (0, 8], got {args.scale:g}")
         if args.plot is not None:
             _check_plot_path(args.plot)
-        if args.loss_steps < 0:
-            raise CLIError(f"--loss-steps must be >= 0, got {args.loss_steps}")
+        if args.loss_steps is not None and not args.memory:
+            raise CLIError("--loss-steps goes with --memory (amp-backends bench --memory --loss-steps N)")
+        loss_steps = 200 if args.loss_steps is None else args.loss_steps
+        if loss_steps < 0:
+            raise CLIError(f"--loss-steps must be >= 0, got {loss_steps}")
         if args.memory:
             from .bench_memory import main as memory_main
 
             size = "full" if args.size == "auto" else args.size
-            return memory_main(args.backend, list(dict.fromkeys(models)), size, args.scale, args.loss_steps, args.json)
+            return memory_main(args.backend, list(dict.fromkeys(models)), size, args.scale, loss_steps, args.json)
         from .bench import main as bench_main
 
         return bench_main(args.backend, list(dict.fromkeys(models)), args.size, args.rounds, args.warmup, args.scale,
@@ -210,10 +213,10 @@ def _run(args: argparse.Namespace) -> int:
         if args.plan:
             from .check import plan_main
 
-            return plan_main(args.target, args.backend, args.dtype, args.size, args.budget, args.emulate, args.save,
-                             args.json)
-        if args.save or args.emulate:
-            raise AmpBackendsError("--save and --emulate go with --plan (amp-backends check --plan TARGET ...)")
+            return plan_main(args.target, args.backend, args.dtype, args.size,
+                             0.05 if args.budget is None else args.budget, args.emulate, args.save, args.json)
+        if args.save or args.emulate or args.budget is not None:
+            raise AmpBackendsError("--save, --emulate and --budget go with --plan (amp-backends check --plan TARGET ...)")
         return check_main(args.target, args.backend, args.dtype, args.size, args.policy, args.loss_scale, args.json,
                           fp8=args.fp8)
     return 2  # pragma: no cover - argparse rejects unknown commands

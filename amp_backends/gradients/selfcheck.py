@@ -17,7 +17,8 @@ __all__ = ["kernel_self_check"]
 
 def kernel_self_check(kernel: Kernel, device: torch.device) -> str | None:
     """What is wrong with ``kernel`` on ``device`` (None: nothing). Float32 and float16 gradients:
-    unscale values bitwise equal to torch's op, inf and NaN found, read-only ops write nothing,
+    unscale values bitwise equal to torch's op, inf and NaN found, a found_inf already set kept (an
+    earlier group's), read-only ops write nothing,
     the sum of squares right; float32, float16 and bfloat16 gradients longer than any block with
     the inf/NaN only at their end, as a list and as an arena's flat buffer. A kernel that raises is
     reported, not propagated."""
@@ -123,6 +124,12 @@ def _small_problem(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> 
             return f"its read-only check {'missed' if bad is not None else 'invented'} an inf/NaN"
         if not all(torch.equal(a, b) or (a.isnan().any() and b.isnan().any()) for a, b in zip(grads, untouched)):
             return "its read-only check wrote the gradients"
+    for scale in (inv, None):  # found_inf already set (an earlier group's inf/NaN): kept, never cleared
+        kept = torch.ones((), dtype=torch.float32, device=device)
+        kernel.grad_op_(_group([base.clone().to(device)]), kept, scale)
+        if not bool(kept.item()):
+            return (f"its {'unscale' if scale is not None else 'read-only check'} cleared a found_inf already set "
+                    "(by an earlier group of gradients): it must only ever raise it")
     grads = [base.clone().to(device)]
     norm_sq = torch.zeros((), dtype=torch.float32, device=device)
     found = torch.zeros((), dtype=torch.float32, device=device)

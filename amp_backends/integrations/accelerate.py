@@ -91,6 +91,11 @@ def prepare(
             "prepare(accelerator) must run before accelerator.prepare(model, optimizer, ...): "
             "it decides how the model's forward and the optimizer's step are wrapped."
         )
+    if getattr(accelerator, "amp_backend", None) is not None:
+        raise AmpBackendsError(
+            "prepare(accelerator) ran on this Accelerator already: a second call would wrap the forward in one "
+            "autocast and step with another's scaler. Build a new Accelerator for another backend or dtype."
+        )
     be = resolve_backend(backend, None if backend is not None else accelerator.device)
     if dtype is None:
         dtype = _DTYPES.get(str(accelerator.mixed_precision))

@@ -33,6 +33,22 @@ from . import ScalerSignals, resolve
 __all__ = ["AmpPrecision"]
 
 
+def _raw(optimizer: Any) -> Any:
+    """The optimizer itself: manual optimization hands the plugin Lightning's ``LightningOptimizer``
+    wrapper (another object, of a subclass of the optimizer's class), automatic optimization the
+    optimizer; the scaler keeps its state per optimizer object."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def _nothing_to_clip(optimizer: Any) -> list[torch.Tensor]:
+    """One zero gradient on the optimizer's device: what Fabric's clipping is handed on a step the scaler
+    skips (torch's clip_grad_value_ refuses an empty list; the norm of this one is 0)."""
+    device = next((p.device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+    stand_in = torch.zeros(1, device=device, requires_grad=True)
+    stand_in.grad = torch.zeros(1, device=device)
+    return [stand_in]
+
+
 def _trainer_of(module: Any) -> Any:
     """The Trainer running ``module``, or None under Fabric (or for a plain module)."""
     return getattr(module, "_trainer", None) if isinstance(module, pl.LightningModule) else None
@@ -52,6 +68,8 @@ class AmpPrecision(ScalerSignals, Precision):
         self.backend, self.dtype, self.scaler = resolve(backend, dtype, scaler_kwargs)
         self.device = self.backend.device_type
         self.precision = "16-mixed" if self.dtype == torch.float16 else "bf16-mixed"  # what Lightning reports
+        #: while a batch the Trainer skips (training_step returned None) runs its hooks: nothing to clip
+        self._skipping = False
 
     # -- autocast -------------------------------------------------------------------------
     @contextmanager
@@ -88,36 +106,62 @@ class AmpPrecision(ScalerSignals, Precision):
             return self._step(optimizer, **kwargs)
         closure_result = closure() if closure is not None else None
         skip = closure_result is None and model.automatic_optimization
-        if not skip and not getattr(optimizer, "_step_supports_amp_scaling", False):
-            self.scaler.ensure_unscaled_(optimizer)  # callbacks' on_before_optimizer_step see true gradients
-        self._after_closure(model, optimizer)
+        if not skip:
+            self.scaler.ensure_unscaled_(_raw(optimizer))  # callbacks' on_before_optimizer_step see true gradients
+        self._skipping = skip  # a skipped batch is not clipped: its gradients (if accumulated) stay scaled
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._skipping = False
         return closure_result if skip else self._step(optimizer, **kwargs)
 
     def _step(self, optimizer: Any, **kwargs: Any) -> Any:
-        result = self.scaler.step(optimizer, **kwargs)
+        result = self.scaler.step(_raw(optimizer), **kwargs)
         self.scaler.update()
         return result
 
     # -- clipping: through the scaler, so gradients are unscaled exactly once -------------
     def unscale_gradients(self, optimizer: Any) -> None:
-        self.scaler.ensure_unscaled_(optimizer)
+        self.scaler.ensure_unscaled_(_raw(optimizer))
 
     def main_params(self, optimizer: Any) -> Any:
         """The parameters to clip (Fabric's ``clip_gradients`` asks here, after
         :meth:`unscale_gradients`). On an iteration whose gradients overflowed, none: the scaler
-        skips that step, so there is nothing to clip, and Fabric's default
-        ``error_if_nonfinite=True`` does not raise on an overflow the scaler handles (the norm
-        Fabric returns for such a step is 0; ``precision.scaler.found_inf(optimizer)`` tells)."""
-        if self.scaler.found_inf(optimizer):
-            return iter(())
-        return super().main_params(optimizer)
+        skips that step, so there is nothing to clip: one zero gradient stands in, so that Fabric's
+        default ``error_if_nonfinite=True`` does not raise on an overflow the scaler handles and its
+        clipping by value has a tensor to clip (the norm Fabric returns for such a step is 0;
+        ``precision.scaler.found_inf(optimizer)`` tells)."""
+        raw = _raw(optimizer)
+        if self.scaler.found_inf(raw):
+            return iter(_nothing_to_clip(raw))
+        return super().main_params(raw)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        self.scaler.clip_grad_norm_(optimizer, clip_val)
+        if not self._skipping:
+            self.scaler.clip_grad_norm_(_raw(optimizer), clip_val)
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        self.scaler.ensure_unscaled_(optimizer)
-        torch.nn.utils.clip_grad_value_(list(self.main_params(optimizer)), clip_value=clip_val)
+        if not self._skipping:
+            self.scaler.ensure_unscaled_(_raw(optimizer))
+            torch.nn.utils.clip_grad_value_(list(self.main_params(optimizer)), clip_value=clip_val)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint Lightning's own ``MixedPrecision`` wrote (its scaler's state under its class name,
+        or an older one's ``native_amp_scaling_state``) resumes this plugin's scaler from it."""
+        if type(self).__qualname__ not in checkpoint:
+            state = checkpoint.get("MixedPrecision") or checkpoint.get("native_amp_scaling_state")
+            if state:
+                self.load_state_dict(state)
+
+    def convert_output(self, data: Any) -> Any:
+        """Floating outputs in the default dtype, as Fabric's own mixed precision gives them (a loss
+        computed outside the forward runs in float32, not in the autocast dtype)."""
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.get_default_dtype()) if torch.is_floating_point(t) else t
+
+        return apply_to_collection(data, function=cast, dtype=torch.Tensor)
 
     def __repr__(self) -> str:
         return f"AmpPrecision(backend={self.backend.name!r}, dtype={self.dtype}, scaler={self.scaler!r})"

@@ -50,6 +50,8 @@ class NativeScaler(ScalerSignals):
             raise ValueError(f"clip_mode must be one of {', '.join(_CLIP_MODES)}, got {clip_mode!r}")
         if clip_grad is not None and parameters is None:
             raise ValueError("clip_grad needs the parameters to clip: pass parameters=model.parameters()")
+        if clip_grad is not None and clip_mode == "agc":
+            _agc()  # refused before the backward and the unscale, not after them
         self.scaler.scale(loss).backward(create_graph=create_graph)
         if not need_update:
             return
@@ -67,8 +69,13 @@ def _clip(parameters: list[torch.Tensor], value: float, mode: str) -> None:
     elif mode == "value":
         torch.nn.utils.clip_grad_value_(parameters, value)
     else:
-        try:
-            from timm.utils.agc import adaptive_clip_grad
-        except ImportError:
-            raise ValueError("clip_mode='agc' is timm's adaptive clipping: install timm") from None
-        adaptive_clip_grad(parameters, value)
+        _agc()(parameters, value)
+
+
+def _agc() -> Any:
+    """timm's adaptive gradient clipping, or the error naming what to install."""
+    try:
+        from timm.utils.agc import adaptive_clip_grad
+    except ImportError:
+        raise ValueError("clip_mode='agc' is timm's adaptive clipping: install timm") from None
+    return adaptive_clip_grad

@@ -42,7 +42,8 @@ def _active(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], ex
     leaves = [leaf for leaf in (args if plain else tree_leaves((args, kwargs))) if isinstance(leaf, torch.Tensor)]
     if not leaves:
         leaves = [*module.parameters(), *module.buffers()]
-    types.update(leaf.device.type for leaf in leaves)
+    for leaf in leaves:  # (a loop: torch 2.4's dynamo cannot trace set.update of a generator)
+        types.add(leaf.device.type)
     return [t for t in types if _has_autocast(t) and torch.is_autocast_enabled(t)]
 
 

@@ -71,7 +71,10 @@ class KernelChoice:
                     f"known: {', '.join(sorted(kernels))}. Unset it to choose automatically."
                 )
             kernel = kernels[forced]
-            reason = kernel.unavailable_reason(device_type)
+            try:
+                reason = kernel.unavailable_reason(device_type)
+            except Exception as exc:  # noqa: BLE001 - said with the variable that chose it
+                reason = f"its unavailable_reason() raised {type(exc).__name__}: {exc}"
             if reason is None and kernel is not TORCH_KERNEL:
                 problem = timed_self_check(kernel, device)
                 reason = None if problem is None else f"it failed its self-check ({problem})"
@@ -85,7 +88,13 @@ class KernelChoice:
             try:
                 if not selects_itself(kernel, device_type):
                     continue
-            except Exception:  # noqa: BLE001 - a broken kernel falls back to torch's
+            except Exception as exc:  # noqa: BLE001 - a broken kernel falls back to torch's, said once
+                key = (kernel.name, device_type)
+                if key not in self.rejections:
+                    self.rejections[key] = (f"kernel {kernel.name!r} from {record.package} raised {type(exc).__name__} "
+                                            f"when asked whether it runs on {device_type} ({exc}); torch's kernel is "
+                                            "used instead")
+                    warnings.warn(self.rejections[key], RuntimeWarning, stacklevel=5)
                 continue
             if probe(device) is not None:
                 return kernel  # no device to check it on; the backend cannot run gradient ops anyway

@@ -62,12 +62,23 @@ def _ask(device: Device) -> str | None:
     asking = _probe_method(device)
     try:
         reason = device.unavailable_reason()
+        if isinstance(reason, bool):
+            return (f"{cls}.{asking} returned {reason!r}: it returns None where the device can be used, else the "
+                    "reason it cannot (a str), not a bool")
         if reason is not None:
             return str(reason) if reason else f"{cls}.{asking} returned an empty reason"
+        try:
+            torch.device(device.device_type)
+        except RuntimeError:
+            return (f"{cls}.device_type {device.device_type!r} is not a device type torch knows (did the extension "
+                    "call torch.utils.rename_privateuse1_backend, or is it not imported?)")
         asking = "supported_dtypes()"
         dtypes = device.supported_dtypes()
         if not isinstance(dtypes, tuple) or not dtypes or not all(isinstance(d, torch.dtype) for d in dtypes):
             return f"{cls}.supported_dtypes() returned {dtypes!r}, not a non-empty tuple of torch dtypes"
+        if device.default_dtype not in dtypes:
+            return (f"{cls}.default_dtype is {device.default_dtype} but supported_dtypes() is {dtypes}: the default "
+                    "must be one of them (the first)")
         return None
     except Exception as exc:  # noqa: BLE001 - a failing probe is a reason, not a crash
         return f"{cls}.{asking} raised {type(exc).__name__}: {exc}"

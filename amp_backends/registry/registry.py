@@ -57,7 +57,8 @@ class Registry:
     def __init__(self, group: str = ENTRY_POINT_GROUP) -> None:
         self.group = group
         self._lock = threading.RLock()
-        self._loaded = False
+        #: True once loaded; while loading, the loading thread's id
+        self._loaded: bool | int = False
         self._extra: list[tuple[object, str, str, str]] = []
         self._reset()
 
@@ -84,7 +85,7 @@ class Registry:
             name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
             package = package or name
             self._extra.append((plugin, name, package, ""))
-            if self._loaded:
+            if self._loaded is True:  # (while loading, _load_all takes it from _extra)
                 self._add_plugin(plugin, PluginRecord(name, package, "", builtin=False))
                 self._collect([name])
 
@@ -95,15 +96,19 @@ class Registry:
             self.reload()
 
     def _ensure_loaded(self) -> None:
-        if self._loaded:
+        if self._loaded is True:
             return
-        with self._lock:
-            if self._loaded:
+        with self._lock:  # another thread waits here until the plugins are loaded
+            if self._loaded is True:
                 return
-            self._loaded = True
+            if self._loaded == threading.get_ident():  # a plugin asking the registry while it is imported
+                raise AmpBackendsError("amp_backends was asked for its backends while its plugins are loading (a "
+                                       "plugin calling amp_backends.get() at import): ask inside its hooks, or later")
+            self._loaded = threading.get_ident()
             try:
                 with stdout_to_stderr(cause="a plugin that prints while it loads must not corrupt a caller's stdout (info --json)"):
                     self._load_all()
+                self._loaded = True
             except BaseException:  # Ctrl-C while a plugin loads: propagate, and load afresh next time
                 self._reset()
                 self._loaded = False
@@ -111,7 +116,7 @@ class Registry:
 
     def _load_all(self) -> None:
         order: list[str] = []
-        for ep, record in self._entry_points():
+        for ep, record in _entry_points(self.group):
             if record.name in self._records:
                 continue  # the same distribution seen twice on sys.path
             self._records[record.name] = record
@@ -132,28 +137,6 @@ class Registry:
                 order.append(name)
         self._collect(order)
         warn_unmatched(self._records.values())
-
-    def _entry_points(self) -> list[tuple[metadata.EntryPoint, PluginRecord]]:
-        """Each entry point with its record; built-ins first, so that a third-party duplicate names the
-        built-in it collides with. A distribution's metadata is read once (parsing it is the cost)."""
-        read: dict[int, tuple[str, str]] = {}
-        found = []
-        for ep in metadata.entry_points(group=self.group):
-            dist = getattr(ep, "dist", None)
-            if dist is None:
-                package, version = "?", "?"
-            else:
-                if id(dist) not in read:
-                    meta = dist.metadata
-                    read[id(dist)] = (meta["Name"] or "?", meta["Version"] or "?")
-                package, version = read[id(dist)]
-            builtin = dist is not None and normalise(package) == BUILTIN_PACKAGE
-            record = PluginRecord(ep.name, package, version, builtin, module=ep.value)
-            why = disabled_reason(record)
-            if why is not None:
-                record.status, record.error = "disabled", why
-            found.append((ep, record))
-        return sorted(found, key=lambda item: (not item[1].builtin, item[0].name))
 
     def _add_plugin(self, plugin: object, record: PluginRecord) -> bool:
         self._records[record.name] = record
@@ -177,26 +160,26 @@ class Registry:
                 record = self._records[name]
                 if impl is None or record.status == "failed":
                     continue
-                registrar = _Registrar(adder, record)
+                registrar, saved = _Registrar(adder, record), self._table.snapshot()
                 timeout = probe_timeout()
                 done, _, error = bounded(lambda: impl.function(register=registrar), timeout)
                 if not done:
                     registrar.closed = True
                     record.fail(TimeoutError(f"its {hook_name} hook did not return within {timeout:g} s "
                                              "(set AMP_BACKENDS_PROBE_TIMEOUT=SECONDS to wait longer)"))
-                    self._drop(record)
+                    self._drop(record, saved)
                 elif isinstance(error, SystemExit):
                     record.fail(exit_error(error, f"in its {hook_name} hook"))
-                    self._drop(record)
+                    self._drop(record, saved)
                 elif isinstance(error, Exception):
                     record.fail(error)
-                    self._drop(record)
+                    self._drop(record, saved)
                 elif error is not None:  # KeyboardInterrupt: the caller's to handle
                     raise error
         self._table.settle_fallbacks(list(self._records.values()))
 
-    def _drop(self, record: PluginRecord) -> None:
-        self._table.drop(record)
+    def _drop(self, record: PluginRecord, saved: tuple[dict, dict, list, list]) -> None:
+        self._table.restore(saved, record)
         self._kernels.drop(record)
         self._pm.unregister(name=record.name)
 
@@ -349,6 +332,29 @@ class Registry:
     def reprobe(self) -> None:
         """Forget every availability answer, and what each backend cached of its device."""
         forget(self._table.all_devices())
+
+def _entry_points(group: str) -> list[tuple[metadata.EntryPoint, PluginRecord]]:
+    """Each entry point with its record; built-ins first, so that a third-party duplicate names the
+    built-in it collides with. A distribution's metadata is read once (parsing it is the cost)."""
+    read: dict[int, tuple[str, str]] = {}
+    found = []
+    for ep in metadata.entry_points(group=group):
+        dist = getattr(ep, "dist", None)
+        if dist is None:
+            package, version = "?", "?"
+        else:
+            if id(dist) not in read:
+                meta = dist.metadata
+                read[id(dist)] = (meta["Name"] or "?", meta["Version"] or "?")
+            package, version = read[id(dist)]
+        builtin = dist is not None and normalise(package) == BUILTIN_PACKAGE
+        record = PluginRecord(ep.name, package, version, builtin, module=ep.value)
+        why = disabled_reason(record)
+        if why is not None:
+            record.status, record.error = "disabled", why
+        found.append((ep, record))
+    return sorted(found, key=lambda item: (not item[1].builtin, item[0].name))
+
 
 class _Registrar:
     """The ``register`` callable handed to one plugin's hook."""

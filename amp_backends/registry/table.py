@@ -37,12 +37,41 @@ def check_fields(backend: Device) -> None:
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise TypeError(f"{cls}.priority must be an int (built-in accelerators 100, cpu 0), got "
                         f"{type(priority).__name__} {priority!r}")
-    if not isinstance(backend.default_dtype, torch.dtype) or not backend.default_dtype.is_floating_point:
-        raise TypeError(f"{cls}.default_dtype must be a floating torch.dtype (torch.float16, torch.bfloat16), "
-                        f"got {type(backend.default_dtype).__name__} {backend.default_dtype!r}")
+    if backend.default_dtype not in (torch.float16, torch.bfloat16):  # autocast runs in one of them
+        raise TypeError(f"{cls}.default_dtype must be torch.float16 or torch.bfloat16 (autocast's dtypes), got "
+                        f"{type(backend.default_dtype).__name__} {backend.default_dtype!r}")
+    built = getattr(backend, "built_for_torch", None)
+    if built is not None and not isinstance(built, str):
+        raise TypeError(f"{cls}.built_for_torch must be the torch version the extension was built for as a str "
+                        f"(e.g. '2.4.0') or None, got {type(built).__name__} {built!r}")
+    _check_fused_declarations(backend)
     for problem in (refusal(backend, BACKEND_METHODS, "backend"), missing_overflow_methods(backend)):
         if problem is not None:
             raise TypeError(problem)
+
+
+#: The kinds a ``fused_found_inf`` key names besides a vendor optimizer's qualified class name.
+_FUSED_KINDS = ("*", "adam", "adamw", "sgd", "adagrad")
+
+
+def _check_fused_declarations(backend: Device) -> None:
+    """A plain dict of ``fused_found_inf`` checked at registration: each key a kind or a qualified class
+    name, each status one :mod:`amp_backends.devices.fused` knows (a ComputedMapping is read at use)."""
+    from ..devices.fused import status_of
+
+    declared = getattr(backend, "fused_found_inf", None)
+    if not isinstance(declared, dict):
+        return
+    cls = type(backend).__name__
+    for key, value in declared.items():
+        if not isinstance(key, str) or (key not in _FUSED_KINDS and "." not in key):
+            raise ValueError(f"{cls}.fused_found_inf: key {key!r} is neither a kind ({', '.join(_FUSED_KINDS)}, "
+                             "lower case) nor a vendor optimizer's qualified class name (module.Class)")
+        status = value[0] if isinstance(value, tuple) and len(value) == 2 else value
+        try:
+            status_of(status)
+        except ValueError as exc:
+            raise ValueError(f"{cls}.fused_found_inf[{key!r}]: {exc}") from None
 
 
 class BackendTable:
@@ -74,6 +103,9 @@ class BackendTable:
             self.fallbacks.append((backend, record))  # placed by settle_fallbacks, after every plugin
             return
         key = backend.name.lower()
+        if key in record.backends:
+            raise ValueError(f"register(): this plugin registers a backend named {backend.name!r} twice: register "
+                             "each backend once, each under a name of its own")
         record.backends.append(key)
         if key in self.duplicates:
             self.duplicates[key].append(record)
@@ -118,11 +150,18 @@ class BackendTable:
                 self.entries[key] = (backend, record, False)
                 record.backends.append(key)
 
-    def drop(self, record: PluginRecord) -> None:
-        """Forget everything ``record``'s plugin registered (its hook failed)."""
-        self.fallbacks = [(b, r) for b, r in self.fallbacks if r is not record]
-        for key in [k for k, (_, rec, _) in self.entries.items() if rec is record]:
-            del self.entries[key]
+    def snapshot(self) -> tuple[dict, dict, list, list]:
+        """The table as it is, before a plugin's hook runs (:meth:`restore` puts it back)."""
+        return (dict(self.entries), {k: list(v) for k, v in self.duplicates.items()}, list(self.fallbacks),
+                list(self.shadowing))
+
+    def restore(self, saved: tuple[dict, dict, list, list], record: PluginRecord) -> None:
+        """The table as :meth:`snapshot` saw it: ``record``'s plugin failed, so nothing it registered
+        stays, nor what it displaced (a built-in it overrode, a name it made a duplicate)."""
+        entries, duplicates, fallbacks, shadowing = saved
+        self.entries, self.duplicates, self.fallbacks, self.shadowing = (
+            dict(entries), {k: list(v) for k, v in duplicates.items()}, list(fallbacks), list(shadowing))
+        record.backends.clear()
 
     def is_fallback(self, backend: Device) -> bool:
         return any(b is backend for b, _ in self.fallbacks)

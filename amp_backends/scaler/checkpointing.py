@@ -54,6 +54,7 @@ class Checkpointing(torch.amp.GradScaler):
         state["backend"] = self.backend.name  # resolved again from the registry on load
         state["_grads"] = pg
         state["_treatments"] = None
+        state.pop("_unscaled_refs", None)  # (weak references: the optimizers stay behind)
         state["_telemetry"] = self._telemetry.for_pickling(self._enabled, state["_init_scale"],
                                                            state.get("_init_growth_tracker", 0))
         return state

@@ -131,6 +131,7 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
         if (self._enabled or self._check_finite) and not self._iteration_open:
             self._iteration_open = True
             self.backend.on_scale(self)
+        steps.note_backward_after_unscale(self)
         return super().scale(outputs)
 
     @eager
@@ -217,6 +218,7 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
     def ensure_unscaled_(self, optimizer: torch.optim.Optimizer) -> None:
         """``unscale_(optimizer)`` unless this iteration already unscaled it (or scaling is off):
         for framework code that unscales before clipping and cannot know whether it already did."""
+        steps.refuse_rescaled(self, optimizer)
         if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
             steps.unscale(self, optimizer)
 
@@ -280,6 +282,7 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
 
     # -- what clipping asks of the scaler (clipping.ScalerForClipping) -------------------
     def _clip_stage(self, optimizer: torch.optim.Optimizer) -> OptState:
+        steps.refuse_rescaled(self, optimizer)
         return PerOptimizerState(self, optimizer).stage if self._enabled else OptState.UNSCALED
 
     def _clip_unscale(self, optimizer: torch.optim.Optimizer,

@@ -12,6 +12,7 @@ record of the scaler (stage, found_inf per device) is read and written here only
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -145,10 +146,20 @@ def unscale(scaler: ScalerState, optimizer: torch.optim.Optimizer, with_norm: bo
         found, _ = scaler._grads.run(optimizer, None, found_inf, True)
         exact(scaler._grads.inv_scale(scale), norm_sq)
         state.unscaled(found)
+        _remember(scaler, optimizer)
         return None, norm_sq
     found, arena = scaler._grads.run(optimizer, scale, found_inf, masters, norm_sq, inv_scale_finite(scaler))
     state.unscaled(found)
+    _remember(scaler, optimizer)
     return arena, norm_sq
+
+
+def _remember(scaler: ScalerState, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer unscaled, weakly, for :func:`note_backward_after_unscale` (never pickled)."""
+    try:
+        scaler.__dict__.setdefault("_unscaled_refs", {})[id(optimizer)] = weakref.ref(optimizer)
+    except TypeError:  # an optimizer that cannot be weakly referenced: not followed
+        pass
 
 
 def check(scaler: ScalerState, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
@@ -242,6 +253,35 @@ def hand_over(scaler: ScalerState, optimizer: torch.optim.Optimizer, treatment: 
     found = state.found
     optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
     optimizer.found_inf = sum_on(found, scale.device) if found else torch.zeros_like(scale)  # type: ignore[attr-defined]  # torch's fused-optimizer protocol: set on the optimizer
+
+
+def note_backward_after_unscale(scaler: ScalerState) -> None:
+    """``scale()`` of another backward: an optimizer unscaled this iteration may get gradients still
+    multiplied by the scale on top of its unscaled ones (a clip on every micro-batch). Its gradients as
+    they are now are noted (only then: the common step pays nothing), to tell at its next unscale or
+    clip whether this backward reached them."""
+    refs = scaler.__dict__.get("_unscaled_refs", {})
+    for key, state in getattr(scaler, "_per_optimizer_states", {}).items():  # (torch 2.4 keeps none while disabled)
+        optimizer = refs[key]() if key in refs else None
+        if state["stage"] is OptState.UNSCALED and "grads_before" not in state and optimizer is not None:
+            state["grads_before"] = [(p, p.grad, None if p.grad is None else p.grad._version)
+                                     for group in optimizer.param_groups for p in group["params"]]
+
+
+def refuse_rescaled(scaler: ScalerState, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse to unscale or clip gradients that mix unscaled ones with scaled ones a later backward added
+    (torch's scaler raises there too, at its second ``unscale_``), before anything changes; an optimizer
+    whose gradients no later backward reached (another optimizer's loss) is left alone."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    if state is None or state["stage"] is not OptState.UNSCALED or "grads_before" not in state:
+        return
+    if any(p.grad is not grad or (grad is not None and grad._version != version)
+           for p, grad, version in state["grads_before"]):
+        raise RuntimeError(
+            "unscale_() has already been called on this optimizer since the last update(), and a backward since "
+            "added gradients still multiplied by the scale: unscale and clip once per step, after the last "
+            "micro-batch's backward (Accelerate: when accelerator.sync_gradients; Lightning and Fabric: on the "
+            "step that calls optimizer.step())")
 
 
 def end_hand_over(optimizer: torch.optim.Optimizer) -> None:

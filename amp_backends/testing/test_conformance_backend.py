@@ -175,6 +175,21 @@ def test_unscale_and_check(backend, value, where):
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("preset", [False, True], ids=["inf-in-the-first-group-only", "found-set-before"])
+def test_found_inf_is_only_ever_raised(backend, preset):
+    """found_inf is raised, never cleared: an inf in the first dtype group only, or a found_inf an earlier
+    call set, is still found after the later, clean groups (an op that copies its own verdict into
+    found_inf loses it, and the scaler steps on inf)."""
+    if backend.global_overflow_status:
+        backend.clear_overflow_status()
+    grads = _grads(backend, seed=11)
+    if not preset:
+        grads[0].view(-1)[0] = math.inf
+    found = torch.full((), 1.0 if preset else 0.0, device=backend.device())
+    grad_op_(backend, grads, found, torch.full((), 0.125, device=backend.device()))
+    assert found.item() == 1.0
+
+
 def test_declared_op_limits_are_well_formed(backend):
     """The declarative contract: what the device's own ops accept, stated consistently."""
     if backend.unscale_dtypes is not None:

@@ -344,3 +344,30 @@ def test_a_library_model_asked_for_where_its_library_is_missing_is_refused_namin
     err = capsys.readouterr().err
     assert "tv-resnet50 needs torchvision, which is not installed (pip install torchvision)" in err
     assert err.count("\n") == 1
+
+
+def test_check_of_a_library_model_whose_library_is_missing_names_it(capsys, monkeypatch):
+    """``check bench:tv-resnet50`` without torchvision says what to install, as ``bench`` does (it said
+    "no such bench model")."""
+    from amp_backends.cli import bench_thirdparty
+    from amp_backends import cli
+
+    real = bench_thirdparty.importlib.util.find_spec
+    monkeypatch.setattr(bench_thirdparty.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchvision" else real(name, *a))
+    assert cli.main(["check", "bench:tv-resnet50"]) == 2
+    err = capsys.readouterr().err
+    assert "tv-resnet50 needs torchvision, which is not installed (pip install torchvision)" in err
+    assert "no such bench model" not in err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--loss-steps", "5"], ["check", "bench:mlp", "--budget", "0.1"]],
+                         ids=["loss-steps without --memory", "budget without --plan"])
+def test_an_option_that_would_be_ignored_is_refused(capsys, argv):
+    """An option that only applies with another (``--loss-steps`` with ``--memory``, ``--budget`` with
+    ``--plan``) is refused, naming it, before any work (it was accepted and ignored, exit 0)."""
+    from amp_backends import cli
+
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert argv[-2] in err and ("--memory" in err or "--plan" in err) and "Traceback" not in err

@@ -241,6 +241,12 @@ def _fake_device_module(reserved: int, allocated: int, free: int | None = None) 
     return module
 
 
+def _no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.accelerator (where this torch has it) names no accelerator: the device module is asked."""
+    if hasattr(torch, "accelerator"):
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
+
+
 def _expected(free: int) -> int:
     return max(MiB, min(free // FREE_SHARE, BLOCK_BYTES_MAX))
 
@@ -255,9 +261,11 @@ def test_the_block_size_counts_what_the_caching_allocator_holds_unused(
     driver_free, reserved, allocated = 64 * MiB, 6 * GiB, 1 * GiB
     device = torch.device("xpu")
     if asked_through == "device module":
-        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
+        _no_accelerator(monkeypatch)
         monkeypatch.setattr(torch, "xpu", _fake_device_module(reserved, allocated, free=driver_free))
     else:
+        if not hasattr(torch, "accelerator"):
+            pytest.skip(f"torch {torch.__version__} has no torch.accelerator (the device module is asked)")
         monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: device)
         monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda d=None: (driver_free, 141 * GiB),
                             raising=False)
@@ -274,7 +282,7 @@ def test_the_cached_bytes_are_never_negative_and_zero_where_the_module_cannot_sa
     allocator's counts adds nothing; a CPU has no free-memory question (the fixed 64 MiB). Behaviour
     the old code shared: a guard, not a reproducer."""
     device = torch.device("xpu")
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
+    _no_accelerator(monkeypatch)
     monkeypatch.setattr(torch, "xpu", _fake_device_module(reserved=1 * GiB, allocated=2 * GiB, free=64 * MiB))
     assert block_bytes(device) == _expected(64 * MiB)
     monkeypatch.setattr(torch, "xpu", types.SimpleNamespace(mem_get_info=lambda device=None: (64 * MiB, GiB)))

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from amp_backends.memory import recompute
-from amp_backends.memory.recompute import selective_recompute
+from amp_backends.memory.recompute import selective_recompute, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 VOCAB = 128
 PROMPT = 8

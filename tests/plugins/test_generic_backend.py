@@ -162,6 +162,7 @@ def test_a_plugin_for_the_device_replaces_the_generic_backend():
 
 
 # -- the registry's fallback rule, in process -------------------------------------------------
+# (the fakes run on "meta": a backend on a device type torch does not know is unavailable)
 class _Fake(Backend):
     priority = 60
 
@@ -189,31 +190,31 @@ def _registry(*plugins) -> Registry:
 
 
 def test_a_fallback_backend_stays_while_nothing_else_serves_its_device_type():
-    registry = _registry(_plugin(_Fake("fakeacc", "fakeacc"), fallback=True))
+    registry = _registry(_plugin(_Fake("fakeacc", "meta"), fallback=True))
     assert registry.names() == ["fakeacc"]
     assert registry.get().name == "fakeacc"
 
 
 @pytest.mark.parametrize("order", ["fallback-first", "fallback-last"])
 def test_a_fallback_yields_to_any_backend_of_its_device_type(order):
-    fallback = _plugin(_Fake("fakeacc", "fakeacc"), fallback=True)
-    vendor = _plugin(_Fake("vendoracc", "fakeacc"))
+    fallback = _plugin(_Fake("fakeacc", "meta"), fallback=True)
+    vendor = _plugin(_Fake("vendoracc", "meta"))
     registry = _registry(*((fallback, vendor) if order == "fallback-first" else (vendor, fallback)))
     assert registry.names() == ["vendoracc"]
     assert registry.duplicates() == {}
 
 
 def test_a_fallback_yields_to_a_backend_of_its_name_registered_later():
-    registry = _registry(_plugin(_Fake("fakeacc", "fakeacc"), fallback=True))
+    registry = _registry(_plugin(_Fake("fakeacc", "meta"), fallback=True))
     assert registry.names() == ["fakeacc"]
-    real = _Fake("fakeacc", "fakeacc")
+    real = _Fake("fakeacc", "meta")
     registry.register_plugin(_plugin(real), name="vendor")
     assert registry.names() == ["fakeacc"] and registry.get("fakeacc") is real
     assert registry.duplicates() == {}
 
 
 def test_fallback_and_override_together_are_refused():
-    registry = _registry(_plugin(_Fake("fakeacc", "fakeacc"), fallback=True, override=True))
+    registry = _registry(_plugin(_Fake("fakeacc", "meta"), fallback=True, override=True))
     assert registry.names() == []
     record = next(r for r in registry.plugins() if r.name == "p0")
     assert record.status == "failed" and "a fallback never overrides" in record.error

@@ -292,7 +292,15 @@ def amp_backends_register_backends(register):
     ('"badprio"', 'priority = "high"', "priority must be an int"),
     ('"auto"', "priority = 500", "is reserved"),
     ('" acme "', "priority = 500", "must be a non-empty string without spaces"),
-    ('"strdtype"', 'default_dtype = "float16"', "default_dtype must be a floating torch.dtype"),
+    ('"strdtype"', 'default_dtype = "float16"', "default_dtype must be torch.float16 or torch.bfloat16"),
+    ('"fp64dtype"', "default_dtype = torch.float64", "default_dtype must be torch.float16 or torch.bfloat16"),
+    ('"acmex"', "priority = 500\n    device_type = 'acmex'", "is not a device type torch knows"),
+    ('"boolprobe"', "priority = 500\n    def unavailable_reason(self):\n        return True", "not a bool"),
+    ('"defnotsup"', "priority = 500\n    default_dtype = torch.float16\n    def supported_dtypes(self):\n"
+                    "        return (torch.bfloat16,)", "the default must be one of them"),
+    ('"builtfor"', "built_for_torch = (2, 4)", "built_for_torch must be"),
+    ('"fusedtypo"', "fused_found_inf = {'Adam': 'honours'}", "neither a kind"),
+    ('"fusedstatus"', "fused_found_inf = {'sgd': 'honors'}", "status is one of"),
     ('"baddtypes"', "priority = 500\n    def supported_dtypes(self):\n        raise RuntimeError('driver gone')",
      "supported_dtypes() raised RuntimeError: driver gone"),
 ])
