@@ -161,6 +161,14 @@ class BackendTable:
         entries, duplicates, fallbacks, shadowing = saved
         self.entries, self.duplicates, self.fallbacks, self.shadowing = (
             dict(entries), {k: list(v) for k, v in duplicates.items()}, list(fallbacks), list(shadowing))
+        self.drop(record)
+
+    def drop(self, record: PluginRecord) -> None:
+        """Forget what ``record``'s plugin registered (its later hook, the kernels', failed: its backends go
+        too; what they displaced stays displaced, which :meth:`restore` undoes within the hook that failed)."""
+        self.fallbacks = [(b, r) for b, r in self.fallbacks if r is not record]
+        for key in [k for k, (_, rec, _) in self.entries.items() if rec is record]:
+            del self.entries[key]
         record.backends.clear()
 
     def is_fallback(self, backend: Device) -> bool:
