@@ -17,10 +17,12 @@ Numerics: the softmax, the loss and each block's logit gradient in float32; the 
 to the compute dtype for the two gradient matmuls (as the plain path rounds it), the input's gradient
 rounded once to the compute dtype (as the plain matmul's output is), the weight's and bias's gradients
 summed over blocks in float32. The mean's division and the incoming gradient are applied in float32
-after the matmuls, so a float16 gradient never underflows for want of the loss scale; under float16 the
-weight's gradient matmul runs in float32 (on the float32 logit gradient and the upcast input), since
-float16's range cannot hold that product before the loss scale multiplies it. The gradients
-equal the plain path's to a few of the compute dtype's ulps and are as close to float64 (tests state the
+after the matmuls. Under float16, whose range the plain path fills with the loss scale before its
+matmuls, the block's logit gradient is multiplied by a power of two chosen on the device from bounds of
+the two products (:func:`_float16_range`) before it is rounded to float16, and the matmuls' outputs are
+divided by it again in float32: all three matmuls run in float16, as the plain head's do, none
+overflows, and small gradients are no more lost than under the loss scale. The gradients equal the
+plain path's to a few of the compute dtype's ulps and are as close to float64 (tests state the
 bounds).
 
 Block size (:func:`chunk_rows`): a block's working set, ``V * (4 + 2 * itemsize(compute))`` bytes a row
@@ -117,6 +119,27 @@ def _held(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
+#: float16 gradient matmuls are kept within this bound (half float16's largest finite value, a margin for rounding).
+FLOAT16_TOP = 2.0**15
+
+
+def _float16_range(g: torch.Tensor, h: torch.Tensor, wmax: torch.Tensor | None) -> torch.Tensor:
+    """The power of two (a 0-dim float32 tensor, no host read) by which a block's float32 logit gradient ``g``
+    is multiplied before its float16 matmuls: the largest that keeps ``g``, ``g.t() @ h`` and ``g @ w`` within
+    :data:`FLOAT16_TOP`, by the bounds ``|sum_r g[r,k] h[r,j]| <= sum_r max|g[r]| max|h[r]|`` and
+    ``|sum_k g[r,k] w[k,j]| <= sum_k |g[r,k]| max|w|``. The products' small values stay above float16's
+    normal range as far as the large ones allow, and nothing overflows; the matmuls' outputs are divided
+    by it again in float32 (exact: a power of two)."""
+    inf = float("inf")
+    rows_max = torch.linalg.vector_norm(g, inf, dim=1)
+    bound = torch.stack([
+        (rows_max * torch.linalg.vector_norm(h, inf, dim=1, dtype=g.dtype)).sum(),
+        torch.linalg.vector_norm(g, 1, dim=1).amax() * (wmax if wmax is not None else 0.0),
+        rows_max.amax(),
+    ]).amax()
+    return torch.exp2(torch.floor(torch.log2(FLOAT16_TOP / bound)).clamp(-64.0, 64.0))
+
+
 def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, cw: torch.Tensor | None,
             compute: torch.dtype, smoothing: float, ignore_index: int, reduction: str, rows: int,
             need: tuple[bool, bool, bool]) -> tuple[torch.Tensor, Any, Any, Any]:
@@ -142,6 +165,7 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
     gw = torch.zeros(w.shape, dtype=acc, device=w.device) if need[1] else None
     gb = torch.zeros(vocab, dtype=acc, device=w.device) if need[2] and b is not None else None
     grads = gh is not None or gw is not None or gb is not None
+    wmax = torch.linalg.vector_norm(wc, float("inf"), dtype=acc) if grads and compute == torch.float16 else None
     z = g = gl = None
     for s in range(0, n, rows):
         e = min(s + rows, n)
@@ -174,18 +198,25 @@ def _blocks(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.T
                 g.sub_(gamma)
             else:
                 g.addcmul_(gamma, cw32.unsqueeze(0), value=-1.0)
+        ranged = None  # float16: the power of two the logit gradient is multiplied by to fit float16's range
+        if compute == torch.float16:
+            if gb is not None:
+                gb.add_(g.sum(0))
+            ranged = _float16_range(g, hc[s:e], wmax)
+            g.mul_(ranged)
         gl = g.to(compute)
-        if gh is not None:
-            gh[s:e] = _scaled(gl @ wc, inv, gh.dtype)  # matmul 2
+        if gb is not None and ranged is None:
+            gb.add_(gl.sum(0, dtype=acc))
+        if gh is not None:  # matmul 2
+            gh[s:e] = _scaled(gl @ wc, inv if ranged is None else (ranged.reciprocal() if inv is None else inv / ranged),
+                              gh.dtype)
         if gw is not None:
             if compute == acc:
                 gw.addmm_(gl.t(), hc[s:e])  # matmul 3
-            elif compute == torch.float16:  # float16's range cannot hold the product before the loss scale
-                gw.addmm_(g.t(), hc[s:e].float())  # matmul 3, in float32 (exact products of float16 inputs)
+            elif ranged is not None:
+                gw.addcmul_(gl.t() @ hc[s:e], ranged.reciprocal())  # matmul 3 in float16, its power of two undone
             else:
                 gw.add_(gl.t() @ hc[s:e])  # matmul 3, rounded to bfloat16 as the plain one is
-        if gb is not None:
-            gb.add_((g if compute == torch.float16 else gl).sum(0, dtype=acc))
     if inv is not None:  # as torch divides: over no weight nan (0/0), over weights summing to 0 an infinity
         den = wy.sum()
         total, smooth = total / den, smooth / den

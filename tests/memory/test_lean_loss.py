@@ -159,6 +159,27 @@ def test_float16_gradients_under_a_loss_scale_keep_what_the_scale_keeps():
         assert (o == 0).sum() <= (p == 0).sum()
 
 
+def test_float16_gradients_of_large_hidden_states_do_not_overflow_before_the_mean_divides():
+    """Hidden states of ~10,000: the plain float16 head divides its logit gradient by the 40 rows before its
+    weight-gradient matmul and stays in range; the fused loss divides after its matmuls, and a block of 8
+    rows' float16 product alone overflows. It multiplies each block's logit gradient by a power of two that
+    keeps its float16 products in range: its gradients are finite where the plain ones are, and within 4
+    float16 eps (of the largest) of float64's."""
+    h, w, b, y, _ = _case()
+    h16 = (h.detach() * 1000.0 + 10000.0).half().requires_grad_(True)
+    w16, b16 = w.detach().half().requires_grad_(True), b.detach().half().requires_grad_(True)
+    y = torch.zeros_like(y)  # every row the same class: the weight's gradient sums, with no cancellation
+    block = torch.autograd.grad(F.cross_entropy(F.linear(h16[:8], w16, b16).float(), y[:8], reduction="sum"), (w16,))
+    assert not block[0].isfinite().all(), "the case: one block's float16 product before the mean overflows"
+    plain = torch.autograd.grad(F.cross_entropy(F.linear(h16, w16, b16).float(), y), (h16, w16, b16))
+    ours = torch.autograd.grad(linear_cross_entropy(h16, w16, y, b16, rows=8), (h16, w16, b16))
+    exact = torch.autograd.grad(F.cross_entropy(F.linear(h16.double(), w16.double(), b16.double()), y),
+                                (h16, w16, b16))
+    for o, p, e in zip(ours, plain, exact):
+        assert p.isfinite().all() and o.isfinite().all()
+        assert (o.double() - e).abs().max() <= 4 * torch.finfo(torch.float16).eps * e.abs().max()
+
+
 def test_without_gradients_the_forward_does_no_gradient_work():
     h, w, b, y, _ = _case()
     with torch.no_grad(), _Count() as count:
@@ -177,6 +198,7 @@ class _Count(TorchDispatchMode):
     def __init__(self, vocab: int = V) -> None:
         super().__init__()
         self.vocab, self.matmuls, self.live, self.peak = vocab, [], 0, 0
+        self.operands: set[torch.dtype] = set()  # the matmuls' operand dtypes
         self._seen: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -185,6 +207,7 @@ class _Count(TorchDispatchMode):
         if name in self.MATMULS:
             a, c = args[-2], args[-1]
             self.matmuls.append((name, a.shape[0] * a.shape[1] * c.shape[1]))
+            self.operands.update((a.dtype, c.dtype))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == self.vocab and not func.is_view:
                 storage = t.untyped_storage()
@@ -203,25 +226,28 @@ class _Count(TorchDispatchMode):
         self._seen.discard(key)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_fused_loss_does_the_plain_heads_matmuls_and_holds_one_block_of_logits(dtype):
     """Forward and backward: the plain head does 3 matmuls over all rows; the fused loss 3 per block, the
-    same multiply-adds in all; the live (rows, V) tensors peak at one block's working set
-    (V * (4 + 2 * itemsize) bytes a row), where the plain path holds all rows' float32 logits."""
+    same multiply-adds in all, every one on operands of the autocast dtype as the plain head's (under
+    float16 too: a float32 matmul runs without a GPU's tensor cores); the live (rows, V) tensors peak at
+    one block's working set (V * (4 + 2 * itemsize) bytes a row), where the plain path holds all rows'
+    float32 logits."""
     h, w, b, y, _ = _case()
     rows = 8
     auto = dtype != torch.float32
     with _Count() as plain:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=auto):
+        with torch.autocast("cpu", dtype=dtype if auto else torch.bfloat16, enabled=auto):
             loss = F.cross_entropy(F.linear(h, w, b).float(), y)
         loss.backward()
     with _Count() as ours:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=auto):
+        with torch.autocast("cpu", dtype=dtype if auto else torch.bfloat16, enabled=auto):
             loss = linear_cross_entropy(h, w, y, b, rows=rows)
         loss.backward()
     blocks = math.ceil(N / rows)
     assert len(plain.matmuls) == 3 and len(ours.matmuls) == 3 * blocks
     assert sum(m for _, m in ours.matmuls) == sum(m for _, m in plain.matmuls) == 3 * N * H * V
+    assert ours.operands == plain.operands == {dtype}
     itemsize = 2 if auto else 4
     assert ours.peak <= rows * V * (4 + 2 * itemsize), (ours.peak, rows * V)
     assert plain.peak >= N * V * 4
