@@ -126,16 +126,79 @@ def test_demo_says_what_is_native_and_measures_amp_against_fp32(fake_cpu, capsys
     assert any(issubclass(w.category, PerformanceWarning) for w in caught) is (features == EMULATED)
 
 
-@x86_only
-def test_real_isa_cap_is_detected_in_a_fresh_process():
-    """ATEN_CPU_CAPABILITY=avx2 keeps torch on AVX2 kernels: bf16/fp16 are then emulated on any x86 CPU."""
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    env.pop("AMP_BACKEND", None)
+def _info_in(env_vars: dict[str, str]) -> tuple[dict, dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("AMP_BACKEND", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                                                             "ATEN_CPU_CAPABILITY")}
     proc = subprocess.run([sys.executable, "-m", "amp_backends", "info", "--json"], capture_output=True, text=True,
-                          env=env, timeout=120)
+                          env={**env, **env_vars}, timeout=120)
     data = json.loads(proc.stdout)
-    cpu = {b["name"]: b for b in data["backends"]}["cpu"]
-    assert data["cpu"].endswith("AVX2 kernels") and cpu["native_dtypes"] == []
+    return data, {b["name"]: b for b in data["backends"]}["cpu"]
+
+
+_MM_RATIO = """
+import json, time, torch
+torch.set_num_threads(1)
+x = torch.randn(256, 256)
+def best(t):
+    t @ t
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter(); t @ t; runs.append(time.perf_counter() - start)
+    return min(runs)
+print(json.dumps(best(x.bfloat16()) / best(x)))
+"""
+
+
+@x86_only
+@pytest.mark.parametrize("var", ["ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"])
+def test_onednn_capped_below_bf16_leaves_nothing_native_in_a_fresh_process(var):
+    """torch's bf16 matmuls run in oneDNN: capped at AVX2 it emulates them on any x86 CPU (measured here:
+    a 256x256 bf16 matmul at least 5x fp32's, 30-500x on the CPUs tried), and info says so."""
+    data, cpu = _info_in({var: "avx2"})
+    assert cpu["native_dtypes"] == [] and data["cpu"].endswith("oneDNN up to AVX2")
+    proc = subprocess.run([sys.executable, "-c", _MM_RATIO], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, var: "AVX2"})
+    assert json.loads(proc.stdout) > 5.0, "oneDNN capped at AVX2 emulates bf16 (slower than fp32 on any CPU)"
+
+
+@x86_only
+def test_torch_dispatch_capability_alone_does_not_change_what_is_native():
+    """ATEN_CPU_CAPABILITY=avx2 moves ATen's own kernels, not oneDNN's: the native dtypes stay this CPU's."""
+    _, default = _info_in({})
+    data, capped = _info_in({"ATEN_CPU_CAPABILITY": "avx2"})
+    assert data["cpu"].endswith("AVX2 kernels") and capped["native_dtypes"] == default["native_dtypes"]
+
+
+def test_onednn_caps_remove_only_the_flags_above_them(monkeypatch):
+    monkeypatch.setattr(hardware, "_arch", lambda: "x86")
+    monkeypatch.setattr(hardware, "_proc_cpuinfo_flags", lambda: {"avx2", "avx512_bf16", "amx_bf16", "amx_fp16"})
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {}, raising=False)
+    expect = {"AVX512_CORE": set(), "avx512_core_bf16": {"avx512_bf16"},
+              "AVX10_1_512_AMX": {"avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX_FP16": {"avx512_bf16", "amx_bf16", "amx_fp16"},
+              "ALL": {"avx512_bf16", "amx_bf16", "amx_fp16"}, "no-such-isa": {"avx512_bf16", "amx_bf16", "amx_fp16"}}
+    for cap, kept in expect.items():
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        hardware.cpu_features.cache_clear()
+        try:
+            assert hardware.cpu_features() & {"avx512_bf16", "amx_bf16", "amx_fp16"} == kept, cap
+        finally:
+            hardware.cpu_features.cache_clear()
+
+
+def test_onednn_off_makes_nothing_native_on_x86(monkeypatch):
+    monkeypatch.setattr(hardware, "_arch", lambda: "x86")
+    assert hardware.cpu_native_dtypes(NATIVE_BF16) == (torch.bfloat16,)
+    monkeypatch.setattr(hardware, "_proc_cpuinfo_flags", lambda: set(NATIVE_BF16))
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert hardware.cpu_native_dtypes(NATIVE_BF16) == ()
+        assert hardware.cpu_summary().endswith("oneDNN off")
+        assert "torch.backends.mkldnn.enabled" in amp_backends.get("cpu").emulation_reason(torch.bfloat16)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    hardware.cpu_features.cache_clear()
+    try:
+        assert "capped at AVX2" in amp_backends.get("cpu").emulation_reason(torch.bfloat16)
+    finally:
+        hardware.cpu_features.cache_clear()
 
 
 def _row(model, mode, rounds, via=None):

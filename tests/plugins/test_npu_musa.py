@@ -57,7 +57,8 @@ def test_npu_finds_overflow_in_both_modes(inf_nan):
     assert out["status_mode"] is (inf_nan == "0")
     assert out["finite_after_overflow"] == [inf_nan == "0"]
     assert out["fp64"] is False and out["dist"] == "hccl"
-    assert out["dtypes"] == ["torch.float16", "torch.bfloat16"], "float32 from get_amp_supported_dtype is no autocast dtype"
+    assert out["dtypes"] == ["torch.float16", "torch.bfloat16"][:2 if inf_nan == "1" else 1], \
+        "float32 from get_amp_supported_dtype is no autocast dtype; an Ascend910A (saturation mode) has no bf16"
     assert out["built"] and out["scale"] == 512.0
 
 
@@ -228,7 +229,8 @@ def test_simulated_torch_npu_follows_its_source(inf_nan, bf16):
         NPU,
         {"AMP_SIM_NPU_INF_NAN": inf_nan, "AMP_SIM_NPU_BF16": bf16},
     )
-    assert out["dtypes"] == (["torch.float16", "torch.bfloat16", "torch.float32"] if bf16 == "1"
+    has_bf16 = bf16 == "1" and inf_nan == "1"  # AMP_SIM_NPU_INF_NAN=0 alone: an Ascend910A, without bf16
+    assert out["dtypes"] == (["torch.float16", "torch.bfloat16", "torch.float32"] if has_bf16
                              else ["torch.float16", "torch.float32"])
     if inf_nan == "1":
         assert out["get"].startswith("raises: Unsupported api when soc_version >= Ascend910B1")
@@ -267,13 +269,14 @@ print(json.dumps(out))
 
 
 @needs_sim_device
-@pytest.mark.parametrize("inf_nan", ["0", "1"])
-def test_the_ascend_precision_mode_is_modelled_and_said(inf_nan):
-    """torch_npu's ACL_PRECISION_MODE: allow_fp32_to_fp16 by default on the chips in saturation mode,
+@pytest.mark.parametrize(("inf_nan", "soc"), [("0", None), ("1", None), ("0", "Ascend910B1")])
+def test_the_ascend_precision_mode_is_modelled_and_said(inf_nan, soc):
+    """torch_npu's ACL_PRECISION_MODE: allow_fp32_to_fp16 by default on the chips below Ascend910B1,
     so a float32 matmul on the device gives float16's result there (the simulation no kinder than the
-    chip); info, the backend and a precision policy say so and name the option that keeps float32."""
-    out = run_json(PRECISION, NPU, {"AMP_SIM_NPU_INF_NAN": inf_nan})
-    saturation = inf_nan == "0"
+    chip); info, the backend and a precision policy say so and name the option that keeps float32. The
+    chip decides, not its inf/NaN mode: a 910B forced into saturation mode keeps float32."""
+    out = run_json(PRECISION, NPU, {"AMP_SIM_NPU_INF_NAN": inf_nan, **({"AMP_SIM_NPU_SOC": soc} if soc else {})})
+    saturation = inf_nan == "0" and soc is None  # an Ascend910A
     assert out["mode"] == ("allow_fp32_to_fp16" if saturation else "must_keep_origin_dtype")
     assert out["default_same_as_fp16"] is saturation and out["default_exact"] is not saturation
     if saturation:

@@ -12,7 +12,7 @@ from amp_backends import Backend, hookimpl
 from amp_backends.devices import collectives as collective_libraries
 from amp_backends.devices import autocast_lists
 from amp_backends.devices.fused import HONOURS
-from amp_backends.devices.hardware import cpu_native_dtypes, cpu_summary, missing_cpu_features
+from amp_backends.devices.hardware import cpu_native_dtypes, cpu_summary, missing_cpu_features, onednn_blocker
 
 
 class CPUBackend(Backend):
@@ -51,6 +51,9 @@ class CPUBackend(Backend):
         return tuple(d for d in self.supported_dtypes() if d in native)
 
     def emulation_reason(self, dtype: torch.dtype) -> str:
+        blocked = onednn_blocker(dtype)
+        if blocked is not None:
+            return blocked
         wanted = " or ".join(f.upper() for f in missing_cpu_features(dtype)) or "native support"
         return f"this CPU ({cpu_summary()}) lacks {wanted}"
 

@@ -176,14 +176,17 @@ class NPUBackend(OverflowStatus, ExtensionBackend):
         return importlib.import_module(f"{self.extension}.{name}")
 
     def precision_mode(self) -> str | None:
-        """``ACL_PRECISION_MODE`` as torch_npu decides it: what ``set_option`` set, else the chip's
-        default (``allow_fp32_to_fp16`` below Ascend910B1, the chips in saturation mode)."""
+        """``ACL_PRECISION_MODE`` as torch_npu decides it (``EnvVariables.cpp`` ``IsAllowFP32ToFP16``): what
+        ``set_option`` set, else the chip's default (``allow_fp32_to_fp16`` below Ascend910B1, whatever its
+        inf/NaN mode; where the chip is unknown, on the chips in saturation mode)."""
         if self._load() is None:
             return None
         raw = self._submodule("_C")._npu_getOption("ACL_PRECISION_MODE")
         if raw:
             return raw.decode() if isinstance(raw, bytes) else str(raw)
-        return "allow_fp32_to_fp16" if self.global_overflow_status else "must_keep_origin_dtype"
+        soc = self._soc_version()
+        below = self.global_overflow_status if soc is None else soc < ASCEND910B1
+        return "allow_fp32_to_fp16" if below else "must_keep_origin_dtype"
 
     def fp32_note(self) -> str | None:
         if self.precision_mode() != "allow_fp32_to_fp16":

@@ -15,7 +15,8 @@ What it keeps of the real torch_npu (the files named are torch_npu's and op-plug
   overflow sets found_inf and returns without unscaling;
 - ``npu/autocast_utils.py``: ``get_amp_supported_dtype()`` lists ``[fp16, bf16, fp32]`` when
   ``is_bf16_supported()``, else ``[fp16, fp32]``;
-- ``is_bf16_supported()``: True (``AMP_SIM_NPU_BF16=0`` for a chip without);
+- ``is_bf16_supported()``: the chip is Ascend910B1 or later (``NpuVariables.cpp`` ``IsBF16Supported``;
+  ``AMP_SIM_NPU_BF16=0`` takes it away from any chip);
 - the release number is the torch release it is built for;
 - ``ACL_PRECISION_MODE`` (``csrc/framework/interface/EnvVariables.cpp`` ``IsAllowFP32ToFP16``,
   ``csrc/framework/LazyInitAclops.cpp``): ``allow_fp32_to_fp16`` by default on chips below
@@ -73,7 +74,8 @@ ASCEND950 = SOCS["Ascend950"]
 #: IsSupportInfNan: always on Ascend950; else by chip (Ascend910B1 up to Ascend310B1, and Ascend910_93xx)
 #: unless AMP_SIM_NPU_INF_NAN says otherwise (INF_NAN_MODE_FORCE_DISABLE on a real one).
 INF_NAN = SOC >= ASCEND950 or (_INF_NAN_SET != "0" if _INF_NAN_SET is not None else 220 <= SOC < 240 or SOC >= 250)
-BF16 = os.environ.get("AMP_SIM_NPU_BF16", "1") != "0"
+#: ``c10_npu::IsBF16Supported()`` (``NpuVariables.cpp``): Ascend910B1 and later; AMP_SIM_NPU_BF16=0 takes it away.
+BF16 = SOC >= SOCS["Ascend910B1"] and os.environ.get("AMP_SIM_NPU_BF16", "1") != "0"
 #: OptionsManager::IsCpuFallbackEnable: TORCH_NPU_FALLBACK_CPU_DISABLE, read as strtol, non-zero turns it off.
 _DISABLE = re.match(r"\s*[+-]?\d+", os.environ.get("TORCH_NPU_FALLBACK_CPU_DISABLE", ""))
 CPU_FALLBACK = _DISABLE is None or int(_DISABLE.group()) == 0
