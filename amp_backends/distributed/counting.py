@@ -25,7 +25,10 @@ __all__ = ["CollectiveLog", "CollectiveRecord", "count_collectives", "reduce_op_
 
 #: Which argument holds what a rank sends, for the ops whose first argument is an output.
 _INPUT_ARG = {"_allgather_base_": 1, "_reduce_scatter_base_": 1, "allgather_": 1, "reduce_scatter_": 1,
-              "allgather_into_tensor_coalesced_": 1, "reduce_scatter_tensor_coalesced_": 1, "alltoall_base_": 1}
+              "allgather_into_tensor_coalesced_": 1, "reduce_scatter_tensor_coalesced_": 1, "alltoall_base_": 1,
+              "allgather_coalesced_": 1, "alltoall_": 1, "gather_": 1, "scatter_": 1}
+#: c10d ops that carry no payload (a barrier's tensor is a placeholder; a receive hands nothing over).
+_NO_PAYLOAD = {"barrier", "recv_", "recv_any_source_", "monitored_barrier_"}
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class _Counter(TorchDispatchMode):
         packet = func.overloadpacket
         if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
             name = packet._qualified_op_name.split("::", 1)[1]
-            arg = args[_INPUT_ARG.get(name, 0)] if args else None
+            arg = args[_INPUT_ARG.get(name, 0)] if args and name not in _NO_PAYLOAD else None
             reduce_op = next((reduce_op_name(a) for a in args if callable(getattr(a, "op", None))), None)
             for t in _tensors(arg):
                 self.log.records.append(

@@ -89,6 +89,52 @@ def _can_divide_then_sum() -> bool:
                                                 "set_gradient_divide_factor"))
 
 
+def _inside(name: str, group: str) -> bool:
+    return group == "" or name == group or name.startswith(group + ".")
+
+
+def _tied_partners(model: nn.Module, groups: list[str]) -> dict[str, list[str]]:
+    """For each group (a module name to be sharded on its own), the modules outside it that hold one of
+    its parameters (a tied weight: GPT-2's head and embedding). fully_shard refuses a parameter two
+    groups manage, at the first forward; such modules are sharded together."""
+    owners: dict[int, list[str]] = {}
+    for mname, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(mname)
+    partners: dict[str, list[str]] = {}
+    for group in groups:
+        outside = {o for names in owners.values() if any(_inside(n, group) for n in names)
+                   for o in names if not _inside(o, group)}
+        if outside:
+            partners[group] = sorted(outside)
+    return partners
+
+
+def _grouped(model: nn.Module, order: list[tuple[str, Any]], fully_shard: Any) -> list[tuple[list[str], Any]]:
+    """``order`` (name, policy) with each group whose parameters are tied to modules outside it joined
+    by those modules (sharded together, with the group's policy); refused, nothing sharded, where they
+    cannot be: a partner that is the root, lies inside or holds another group, or a torch whose
+    fully_shard takes one module only."""
+    names = [n for n, _ in order]
+    partners = _tied_partners(model, names)
+    takes_lists = "List[nn.Module]" in (fully_shard.__doc__ or "")
+    out: list[tuple[list[str], Any]] = []
+    taken: set[str] = set()
+    for name, mp in order:
+        joined = [p for p in partners.get(name, []) if p not in taken]
+        clash = [p for p in joined if p == "" or any(g != name and (_inside(p, g) or _inside(g, p)) for g in names)]
+        if clash or (joined and not takes_lists):
+            why = ("this torch's fully_shard takes one module at a time" if not clash else
+                   f"{', '.join(repr(c) for c in clash)} is the root or lies in (or holds) another sharded module")
+            raise ValueError(
+                f"shard_in_low_precision(): {name!r} shares a parameter with {', '.join(repr(p) for p in joined)} (tied "
+                f"weights), which fully_shard needs in one group, and {why}: untie them, or leave {name!r} out of the "
+                "policy's float32 modules / the blocks (nothing was sharded)")
+        taken.update(joined)
+        out.append(([name, *joined], mp))
+    return out
+
+
 def shard_in_low_precision(model: nn.Module, backend: str | Backend | None = None, *, policy: Any = None,
                            blocks: Iterable[nn.Module] = (), dtype: torch.dtype | None = None,
                            reduce_dtype: torch.dtype = torch.float32, mesh: Any = None,
@@ -96,7 +142,9 @@ def shard_in_low_precision(model: nn.Module, backend: str | Backend | None = Non
     """``fully_shard`` ``model`` (and first each of ``blocks``, and each module ``policy`` keeps in float32)
     with MixedPrecisionPolicy from ``backend``: parameters all-gathered in ``dtype`` (None: the backend's
     ``default_dtype``), gradients reduced in ``reduce_dtype``, the root's output in float32; the
-    float32 modules with param_dtype and reduce_dtype float32. ``policy``: an
+    float32 modules with param_dtype and reduce_dtype float32. A module whose parameter is tied to a
+    module outside it (a GPT-2 head and its embedding) is sharded together with that module, in one
+    group with its policy (the tied weight is one tensor: gathered in float32 for both). ``policy``: an
     :func:`amp_backends.precision_policy` handle (its ``selected`` names). Checked before anything is
     sharded: the library behind the mesh's group must gather ``dtype`` and reduce ``reduce_dtype``
     with SUM (and with AVG where this torch's fully_shard cannot be told to divide first)."""
@@ -150,11 +198,11 @@ def shard_in_low_precision(model: nn.Module, backend: str | Backend | None = Non
     order.sort(key=lambda item: -item[0].count("."))  # innermost first, as fully_shard needs
     plan = ShardPlan(library=library.library)
     kwargs = dict(fully_shard_kwargs, **({"mesh": mesh} if mesh is not None else {}))
-    for name, mp in order + [("", full if "" in fp32_names else root)]:
-        if name in plan.policies:
-            continue
-        fully_shard(modules[name], mp_policy=mp, **kwargs)
-        plan.policies[name] = mp
+    seen: set[str] = set()
+    order = [(n, mp) for n, mp in order if not (n in seen or seen.add(n))]  # type: ignore[func-returns-value]  # set.add: None
+    for group, mp in _grouped(model, order, fully_shard) + [([""], full if "" in fp32_names else root)]:
+        fully_shard(modules[group[0]] if len(group) == 1 else [modules[n] for n in group], mp_policy=mp, **kwargs)
+        plan.policies.update((n, mp) for n in group)
     if divide_first:
         size = mesh.size() if mesh is not None else dist.get_world_size()
         for name in plan.policies:

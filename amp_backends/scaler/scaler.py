@@ -226,7 +226,9 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool | None:
         """Whether this iteration's unscaled gradients of ``optimizer`` hold an inf/NaN (its step
         will be skipped); None before they are unscaled, or with scaling off and ``check_finite``
-        unset. With scaling off and ``check_finite`` set, the gradients are checked now. A host read."""
+        unset. With scaling off and ``check_finite`` set, the gradients are checked now, this rank's
+        only (no collective: a query from one rank must not pair with the others' all-reduces; the
+        step's verdict, agreed, is ``last_step_skipped`` after it). A host read."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"found_inf takes the optimizer whose gradients were unscaled, got "
                             f"{type(optimizer).__name__}: call scaler.found_inf(optimizer) after unscale_(optimizer) "
@@ -234,7 +236,7 @@ class GradScaler(Checkpointing, Signals, torch.amp.GradScaler):
         if not self._enabled:
             if not self._check_finite:
                 return None
-            found, _ = self._grads.run(optimizer, None, torch.zeros(()), True)
+            found, _ = self._grads.run(optimizer, None, torch.zeros(()), True, agree=False)
             return bool(found) and steps.found_any(found)
         state = PerOptimizerState(self, optimizer)
         if state.stage is OptState.READY or not state.found:

@@ -186,10 +186,12 @@ def check_finite_verdict(scaler: ScalerState, optimizer: torch.optim.Optimizer, 
             "them inside it: run the closure (forward and backward) before scaler.step(optimizer)."
         )
     first = next((p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None)
-    if first is None:
+    if first is None and scaler._grads.process_group is None:
         return Verdict(skipped=False, counted=False), kwargs
-    found, _ = scaler._grads.run(optimizer, None, torch.zeros((), dtype=torch.float32, device=first.device), True)
-    return Verdict(skipped=bool(sum_on(found, first.device).item())), kwargs
+    # a rank with no gradient still joins the agreement the other ranks wait in
+    where = first.device if first is not None else scaler.backend.device()
+    found, _ = scaler._grads.run(optimizer, None, torch.zeros((), dtype=torch.float32, device=where), True)
+    return Verdict(skipped=bool(sum_on(found, where).item()), counted=first is not None), kwargs
 
 
 def _ready_to_step(scaler: ScalerState, optimizer: torch.optim.Optimizer,
@@ -215,16 +217,18 @@ def plain_verdict(scaler: ScalerState, optimizer: torch.optim.Optimizer, kwargs:
 
 @eager
 def from_host_verdict(scaler: ScalerState, optimizer: torch.optim.Optimizer, kwargs: Kwargs) -> Verdict:
-    """FROM_HOST: checked first and skipped with the gradients untouched (as torch's fused protocol leaves
-    a skipped step), else unscaled here for the kernel to step on."""
+    """FROM_HOST: checked first and, where this rank found an inf/NaN, skipped with the gradients
+    untouched (as torch's fused protocol leaves a skipped step), else unscaled here for the kernel to
+    step on. Ranks agree once, after both (another rank's path may be the fused one, which agrees once)."""
     scale, state = _ready_to_step(scaler, optimizer, kwargs)
     if state.stage is OptState.READY:
-        check(scaler, optimizer)
-        if found_any(state.require_found()):
-            return Verdict(skipped=True)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        found, _ = scaler._grads.run(optimizer, scale, found_inf, True, inv_scale_finite=inv_scale_finite(scaler))
-        state.unscaled(found)
+        found, _ = scaler._grads.run(optimizer, None, found_inf, True, agree=False)
+        if found and not found_any(found):
+            found, _ = scaler._grads.run(optimizer, scale, found_inf, True, inv_scale_finite=inv_scale_finite(scaler),
+                                         agree=False)
+            state.unscaled(found)
+        state.checked(scaler._grads.agree(found, found_inf))
     return Verdict(skipped=found_any(state.require_found()))
 
 
