@@ -30,4 +30,6 @@ def patch_nvidia(monkeypatch, capability: tuple[int, int], name: str) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: capability >= (8, 0))
+    # torch.cuda.is_bf16_supported: native from 8.0, emulated (True unless including_emulation=False) before
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or capability >= (8, 0))

@@ -404,6 +404,20 @@ def test_cuda_declares_fp8_from_compute_capability_8_9(monkeypatch, capability, 
             amp_backends.precision.fp8.engine.check_device(be, "tensorwise", emulate=False)
 
 
+@pytest.mark.parametrize(("capability", "name"), [((7, 0), "Tesla V100-SXM2-16GB"), ((7, 5), "Tesla T4"),
+                                               ((8, 0), "NVIDIA A100")])
+def test_cuda_takes_bf16_where_torchs_autocast_does_and_says_where_it_is_emulated(monkeypatch, capability, name):
+    """torch's autocast takes bf16 on any GPU torch.cuda.is_bf16_supported() accepts, emulation included
+    (a V100 or T4): the backend supports it there too, and native_dtypes (which warns) leaves it out."""
+    patch_nvidia(monkeypatch, capability, name)
+    be = cuda_plugin.CUDABackend()
+    assert be.supported_dtypes() == (torch.float16, torch.bfloat16)
+    native = capability >= (8, 0)
+    assert be.native_dtypes() == ((torch.float16, torch.bfloat16) if native else (torch.float16,))
+    if not native:
+        assert f"compute capability {capability[0]}.{capability[1]}" in be.emulation_reason(torch.bfloat16)
+
+
 _OCP, _FNUZ = ("float8_e4m3fn", "float8_e5m2"), ("float8_e4m3fnuz", "float8_e5m2fnuz")
 
 
@@ -520,6 +534,7 @@ def test_info_shows_fp8_per_backend(monkeypatch, fresh_registry):
 @pytest.mark.parametrize(("arch", "native"), [
     ("gfx90a", True), ("gfx940", True), ("gfx942", True), ("gfx950", True), ("gfx1100", True), ("gfx1201", True),
     ("gfx908", True), ("gfx906", False), ("gfx1030", False), ("gfx1010", False), (None, False), ("sm_90", False),
+    ("gfx909", False), ("gfx90c", False), ("gfx900", False), ("gfx908:sramecc+:xnack-", True),
 ])
 def test_amd_bf16_rule(arch, native):
     assert cuda_plugin.amd_bf16_native(arch) is native

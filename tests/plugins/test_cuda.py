@@ -24,7 +24,8 @@ def cuda():
 def test_cuda_backend_contract(cuda):
     assert cuda.is_available() and cuda.unavailable_reason() is None
     assert cuda.default_dtype == torch.float16 and cuda.dist_backend == "nccl"
-    assert (torch.bfloat16 in cuda.supported_dtypes()) == torch.cuda.is_bf16_supported(including_emulation=False)
+    assert (torch.bfloat16 in cuda.supported_dtypes()) == torch.cuda.is_bf16_supported()
+    assert (torch.bfloat16 in cuda.native_dtypes()) == torch.cuda.is_bf16_supported(including_emulation=False)
     assert amp_backends.get().name == "cuda", "accelerators come before the CPU"
     cuda.reset_peak_memory_stats()
     x = torch.empty(1 << 20, device="cuda")

@@ -75,10 +75,9 @@ class CUDABackend(Backend):
     def supported_dtypes(self) -> tuple[torch.dtype, ...]:
         if not self.is_available():
             return (torch.float16,)
-        try:
-            bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        except TypeError:  # torch < 2.5 has no including_emulation
-            bf16 = torch.cuda.is_bf16_supported()
+        # what torch's autocast accepts (emulated bf16 too: a V100 or T4 runs it, slowly, and
+        # native_dtypes says so, which warns)
+        bf16 = torch.cuda.is_bf16_supported()
         return (torch.float16, torch.bfloat16) if bf16 else (torch.float16,)
 
     def native_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -233,12 +232,8 @@ def amd_bf16_native(arch: str | None) -> bool:
     digits = arch[3:]
     if digits[:2] in ("11", "12"):
         return True
-    if len(digits) == 3 and digits[0] == "9":
-        try:
-            return int(digits[1:], 16) >= 0x08  # gfx908, gfx90a, gfx940-942, gfx950 ...
-        except ValueError:
-            return False
-    return False
+    # CDNA: gfx908, gfx90a, gfx94x, gfx95x; not the GCN 5 APUs gfx909 (Raven 2) and gfx90c (Renoir)
+    return digits[:3] in ("908", "90a") or (len(digits) >= 3 and digits[0] == "9" and digits[1] in "45")
 
 
 @hookimpl
