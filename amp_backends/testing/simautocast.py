@@ -21,6 +21,20 @@ FP32_OPS = tuple(sorted(CUDA.fp32))
 PROMOTE_OPS = tuple(sorted(CUDA.promote))
 
 
+def _prioritize(low: torch.dtype, floats: list[torch.dtype]) -> torch.dtype:
+    """torch's ``at::autocast::prioritize`` over the inputs (``autocast_mode.h``): from the autocast
+    dtype, float64 ignored, float32 wins; any other mix (float16 with bfloat16) is refused."""
+    target = low
+    for dtype in floats:
+        if dtype == torch.float64:
+            continue
+        if torch.float32 in (target, dtype):
+            target = torch.float32
+        elif not target == dtype == low:
+            raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
+    return target
+
+
 def _autocast_kernel(cast: str, op_name: str) -> Any:
     key = DispatchKeySet(DispatchKey.AutocastPrivateUse1)
 
@@ -41,7 +55,7 @@ def _autocast_kernel(cast: str, op_name: str) -> Any:
         elif cast == "fp32":
             target = torch.float32
         else:
-            target = torch.float32 if torch.float32 in floats else (floats[0] if floats else None)
+            target = _prioritize(low, floats)
 
         def convert(x: Any) -> Any:
             if (

@@ -6,6 +6,7 @@ inspector follow the device's lists, not CUDA's."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import pytest
@@ -397,3 +398,28 @@ def test_the_recipes_reasons_say_what_the_devices_autocast_would_do(backend, wou
     policy = amp_backends.precision_policy(model)
     assert policy.selected["1"] == "recipe: LayerNorm", "without a backend: no claim about a device"
     policy.remove()
+
+
+def test_the_simulated_promote_prioritizes_as_torchs_autocast():
+    """The simulated devices' promote ops against torch's own ``at::autocast::prioritize`` (the CPU's
+    autocast, promoting ``cat``): for every mix of input dtypes, the same output dtype or the same
+    refusal (float16 meeting bfloat16), float64 left alone."""
+    import itertools
+
+    from amp_backends.testing.simautocast import _prioritize
+
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    for low in (torch.bfloat16, torch.float16):
+        for n in (1, 2, 3):
+            for mix in itertools.product(dtypes, repeat=n):
+                try:
+                    with torch.autocast("cpu", dtype=low):
+                        expected = torch.cat([torch.ones(1, dtype=d) for d in mix]).dtype
+                except RuntimeError as exc:
+                    assert "prioritize" in str(exc)
+                    with pytest.raises(RuntimeError, match="Unexpected floating ScalarType in at::autocast::prioritize"):
+                        _prioritize(low, list(mix))
+                    continue
+                target = _prioritize(low, list(mix))
+                cast = [target if d in (torch.float16, torch.bfloat16, torch.float32) else d for d in mix]
+                assert functools.reduce(torch.promote_types, cast) == expected, (low, mix)
