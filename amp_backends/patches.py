@@ -8,7 +8,9 @@ for tests and ``amp-backends info``.
 
 - :func:`replace` sets an attribute and keeps what it replaced (an object's own attribute, or none: the
   class's then; a module's attribute as read); undone, that comes back, unless something replaced the
-  attribute since (that replacement is left alone).
+  attribute since (that replacement is left alone). Patches of one attribute may be undone in any
+  order: a patch undone under a later :func:`replace` hands that one what it had kept, so the last
+  undo puts back the value from before the first (two threads' overlapping ``with`` blocks).
 - :func:`wrap` installs a wrapper that keeps what it wraps in its ``previous`` (None: the class's), as
   a module's ``forward`` wrapper does; :func:`unwrap` puts ``previous`` back where it is still installed.
 - :func:`replaced` is :func:`replace` for the span of a ``with`` block; :func:`record` lists, for the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from types import MethodType, ModuleType
@@ -35,6 +38,10 @@ _ACTIVE: dict[int, Patch] = {}
 _ON: dict[tuple[int, str], list[int]] = {}
 _ORDER = itertools.count()
 _ABSENT = object()
+#: Held while a patch is applied or undone, and while the tables change: patches of one attribute from
+#: several threads (overlapping isolated runs) see each other whole. Reentrant: a patch dropped by the
+#: garbage collector while this thread holds it.
+_LOCK = threading.RLock()
 
 
 def _weak(value: Any) -> Callable[[], Any]:
@@ -54,11 +61,12 @@ def _same(current: Any, value: Any) -> bool:
 
 
 def _drop(key: int) -> None:
-    patch = _ACTIVE.pop(key, None)
-    if patch is not None and patch.on is not None and key in _ON.get(patch.on, ()):
-        _ON[patch.on].remove(key)
-        if not _ON[patch.on]:
-            del _ON[patch.on]
+    with _LOCK:
+        patch = _ACTIVE.pop(key, None)
+        if patch is not None and patch.on is not None and key in _ON.get(patch.on, ()):
+            _ON[patch.on].remove(key)
+            if not _ON[patch.on]:
+                del _ON[patch.on]
 
 
 class Patch:
@@ -73,9 +81,12 @@ class Patch:
         #: (id of the patched object, attribute), for :func:`find`; the value put there, weakly
         self.on = (id(on[0]), on[1]) if on is not None else None
         self.value = _weak(value)
-        _ACTIVE[self._key] = self
-        if self.on is not None:
-            _ON.setdefault(self.on, []).append(self._key)
+        #: what :func:`replace` replaced (None for other patches), which its undo puts back
+        self.before: Callable[[], Any] | None = None
+        with _LOCK:
+            _ACTIVE[self._key] = self
+            if self.on is not None:
+                _ON.setdefault(self.on, []).append(self._key)
         self._watches: list[weakref.finalize] = []
         for held in holders:  # the patched object and the new value: the patch ends with either
             held = held.__self__ if isinstance(held, MethodType) else held
@@ -92,12 +103,13 @@ class Patch:
 
     def remove(self) -> None:
         """Undo the patch (once; a second call does nothing) and drop it from :func:`active`."""
-        _drop(self._key)
-        for watch in self._watches:
-            watch.detach()
-        undo, self._undo = self._undo, None
-        if undo is not None:
-            undo()
+        with _LOCK:
+            _drop(self._key)
+            for watch in self._watches:
+                watch.detach()
+            undo, self._undo = self._undo, None
+            if undo is not None:
+                undo()
 
     def __repr__(self) -> str:
         return f"<Patch {self.what} ({'active' if self.active else 'removed'}): {self.cause}; {self.scope}>"
@@ -128,23 +140,45 @@ def _current(owner: object, name: str) -> Any:
 
 def replace(target: object, name: str, value: Any, *, cause: str, scope: str) -> Patch:
     """Set ``target.<name>`` to ``value``; the returned patch's ``remove()`` puts back what was there."""
-    own = _current(target, name)
-    # a method bound to the target is kept through it, so that the patch never keeps the target alive
-    before = _weak(own) if isinstance(own, MethodType) and own.__self__ is target else (lambda: own)
-    setattr(target, name, value)
-    target_ref, value_ref = _weak(target), _weak(value)
+    with _LOCK:
+        own = _current(target, name)
+        # a method bound to the target is kept through it, so that the patch never keeps the target alive
+        before = _weak(own) if isinstance(own, MethodType) and own.__self__ is target else (lambda: own)
+        setattr(target, name, value)
+        target_ref, value_ref = _weak(target), _weak(value)
+        # a value held weakly that is gone is no longer in the attribute: nothing to put back or hand on
+        held = not isinstance(value_ref, weakref.ref)
 
-    def undo() -> None:
-        owner = target_ref()
-        if owner is None or not _same(_current(owner, name), value_ref()):
-            return  # gone, or replaced since: that replacement is left alone
-        restored = before()
-        if restored is _ABSENT:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, restored)
+        def undo() -> None:
+            owner = target_ref()
+            current = value_ref()
+            if owner is None or (current is None and not held):
+                return
+            if not _same(_current(owner, name), current):
+                _hand_on(owner, name, current, patch.before)
+                return  # replaced since: that replacement is left alone
+            kept = patch.before
+            assert kept is not None  # (set below, before the patch can be undone)
+            restored = kept()
+            if restored is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, restored)
 
-    return Patch(describe(target, name), cause, scope, undo, target, value, on=(target, name), value=value)
+        patch = Patch(describe(target, name), cause, scope, undo, target, value, on=(target, name), value=value)
+        patch.before = before
+        return patch
+
+
+def _hand_on(owner: object, name: str, value: Any, before: Callable[[], Any] | None) -> None:
+    """A patch that put ``value`` there is undone while a later :func:`replace` of the attribute, which
+    kept ``value``, is still in force: that one now keeps ``before`` instead, so its undo puts back what
+    was there before either (not this patch's value, which nothing would ever remove)."""
+    for key in _ON.get((id(owner), name), ()):
+        later = _ACTIVE[key].before
+        if later is not None and _same(later(), value):
+            _ACTIVE[key].before = before
+            return
 
 
 def wrap(target: object, name: str, wrapper: Any, *, cause: str, scope: str) -> Patch:

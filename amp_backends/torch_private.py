@@ -159,8 +159,10 @@ FakeTensorMode = _entry("torch._subclasses.fake_tensor.FakeTensorMode", "none: a
 
 # -- the compiler -------------------------------------------------------------------------------------
 disable_dynamo = _entry("torch._compile._disable_dynamo",
-                        "torch.compiler.disable (public since 2.1), which imports dynamo on first use; not taken, for import time")
-DYNAMO_SKIP = _entry("torch._dynamo.decorators.skip", "none: torch.compile traces the function", lazy=True)
+                        "torch.compiler.disable (public since 2.1), taken where this is missing (amp_backends.eager); "
+                        "it imports dynamo when applied, at the package's import, where this waits for the first call")
+DYNAMO_SKIP = _entry("torch._dynamo.decorators.skip", "none: the function is left unmarked, and torch.compile traces it "
+                     "(amp_backends.eager.untraced)", lazy=True)
 FUNCTORCH_CONFIG = _entry("torch._functorch.config", "none: without its backward_pass_autocast setting, a compiled "
                           "region's backward is eager's already (nothing to switch)", lazy=True)
 
@@ -181,7 +183,9 @@ refresh_per_optimizer_state = _entry("torch.amp.grad_scaler._refresh_per_optimiz
 
 # -- memory: storages and references ------------------------------------------------------------------
 storage_use_count = _entry("torch._C._storage_Use_Count",
-                           "none: the arena's check='refcount' needs it; check='identity' is the public way")
+                           "none: the arena's check='refcount' is refused and check='identity' is its default; a "
+                           "gradient view dropped from .grad by hand is then taken as possibly held (that step runs on "
+                           "the per-tensor path until optimizer.zero_grad())")
 tensor_use_count = _entry("torch.Tensor._use_count",
                           "none: fp8 all-gather refuses to swap a weight in place without it (say why, nothing changed)")
 

@@ -8,7 +8,10 @@ A ``TorchDispatchMode`` that sees every ``c10d`` op this thread dispatches (DDP'
 FSDP2 call them through the dispatcher) and records its payload: op, dtype, elements, bytes.
 The payload is what the rank hands the library, not the bytes on the wire, which depend on the
 algorithm (a ring all-reduce sends about twice the payload; gloo's reduce-scatter is a full
-all-reduce). Dispatch modes are thread-local: collectives issued from other threads are not seen.
+all-reduce). Gathers, scatters and all-to-alls count their input (a scatter's only on its root);
+a broadcast counts its one buffer on every rank (the library takes it in place: the root's is sent,
+the others' received into); a barrier and a receive count nothing. Dispatch modes are thread-local:
+collectives issued from other threads are not seen.
 """
 
 from __future__ import annotations

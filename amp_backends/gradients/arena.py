@@ -22,7 +22,10 @@ tensor, in C). Then it confirms that the buffers hold their gradients (``check=`
   no backward reaching the parameter before the op: the view object itself kept elsewhere
   (``old = p.grad``) while ``.grad`` is replaced or set to None by hand; a view's ``.data`` swapped
   while as many new tensors sharing the buffer are made.
-- ``"identity"``: every parameter's ``.grad`` is looked at (about 0.1 us each); no blind spot.
+- ``"identity"``: every parameter's ``.grad`` is looked at (about 0.1 us each); no blind spot. The
+  default on a torch without ``torch._C._storage_Use_Count``, where ``"refcount"`` is refused: there a
+  view dropped from ``.grad`` by hand is taken as possibly held elsewhere (its step runs on the
+  per-tensor path until ``optimizer.zero_grad()``), and ``zero_grad`` gives each buffer new memory.
 
 When a check finds a change, the parameters are walked once: views dropped with nobody else holding
 them are taken back, and the op runs on the buffers if every gradient is in its slot; else that step
@@ -55,7 +58,8 @@ __all__ = ["ALIGN_BYTES", "ARENA_ATTR", "CHECKS", "FP16_PARAMS", "FlatGrads", "F
 _ATTR = ARENA_ATTR
 _use_count = storage_use_count
 #: How the arena confirms the gradients are in place (see the module docstring); the first is the default.
-CHECKS = ("refcount", "identity")
+#: "refcount" counts with torch._C._storage_Use_Count: only where the running torch has it.
+CHECKS = ("refcount", "identity") if _use_count is not None else ("identity",)
 
 
 class _Slots:
@@ -81,9 +85,16 @@ class _Slots:
             if on:
                 p.grad = v
 
-    def refs(self) -> int:
-        """How many tensors share the buffer's memory (the buffer and this object's handle on it included)."""
-        return _use_count(self._storage._cdata)
+    def refs(self) -> int | None:
+        """How many tensors share the buffer's memory (the buffer and this object's handle on it included);
+        None on a torch that cannot count them."""
+        return None if _use_count is None else _use_count(self._storage._cdata)
+
+    def unshared(self, views: int) -> bool:
+        """Whether exactly ``views`` views of the buffer are alive besides the buffer: none held anywhere
+        else. False where torch cannot count them (any may be held: nothing is reused)."""
+        refs = self.refs()
+        return refs is not None and self.base is not None and refs == self.base + views
 
     def _ptrs(self) -> list[int]:
         """Each slot's address."""
@@ -95,7 +106,7 @@ class _Slots:
     def reclaim(self, i: int) -> torch.Tensor | None:
         """A view for slot ``i``, whose earlier view was dropped from ``.grad``: when no view of the
         buffer is alive anywhere, every slot is free again (zeroed); else None (one may be held)."""
-        if self.refs() != self.base + len(self.free):
+        if not self.unshared(len(self.free)):
             return None
         self.fresh(reuse=True)
         return self.spare[i]
@@ -190,7 +201,7 @@ class FlatGrads:
         if self._outside:
             return False
         for s in self._slots:
-            if s.drops or _use_count(s._storage._cdata) != s.base + len(s.spare):  # a view ended, or the count moved
+            if s.drops or not s.unshared(len(s.spare)):  # a view ended, or the count moved
                 return False
             params = s.group.params
             for i in s.free:
@@ -238,9 +249,8 @@ class FlatGrads:
                     why = why or _foreign(grad, g, i)
                     if s.spare[i] is not None:  # made where the slot was free: its node may lack the hook
                         self._suspects.add((k, i))
-            # references beyond one per spare view and one per gradient in place: views held elsewhere
-            extra = s.refs() - s.base - len(s.free) - held
-            if dead and extra == 0:  # dropped views nobody holds: their slots are free again, zeroed
+            # no references beyond one per spare view and one per gradient in place: no view held elsewhere
+            if dead and s.unshared(len(s.free) + held):  # dropped views nobody holds: their slots are free again, zeroed
                 views = views_of(g.buffer, [g.offsets[i] for i in dead], [g.shapes[i] for i in dead],
                                  [g.stride(i) for i in dead])
                 foreach_zero_(views)
@@ -248,6 +258,10 @@ class FlatGrads:
                     s.spare[i] = v
                     s.free.add(i)
                     s.watch[i] = None
+            elif dead and s.refs() is None:
+                why = why or ("a gradient view was taken out of .grad by hand (p.grad = None, model.zero_grad()), and "
+                              "this torch cannot count who still holds it (it lacks torch._C._storage_Use_Count): "
+                              "optimizer.zero_grad() brings the gradients back")
             elif dead:
                 why = why or ("a gradient view taken out of .grad is still referenced elsewhere, so its slot "
                               "cannot be reused until optimizer.zero_grad()")
@@ -315,7 +329,7 @@ class FlatGrads:
             self._torch_zero_grad(optimizer, set_to_none)
             if set_to_none:
                 for s in self._slots:  # nothing is in .grad now; a view still held elsewhere keeps its values
-                    s.fresh(reuse=s.refs() == s.base + len(s.free))
+                    s.fresh(reuse=s.unshared(len(s.free)))
                 self._outside = False
             self._hooks.refresh(self._slots, self._suspects)  # a parameter with a new node is hooked again
             self._suspects.clear()
@@ -335,7 +349,7 @@ class FlatGrads:
                     params[i].grad = None
             s.free = set(range(len(params)))
             # zeroed in place unless a gradient is still referenced elsewhere: torch would leave it be
-            s.fresh(reuse=not held and s.refs() == s.base + len(s.spare))
+            s.fresh(reuse=not held and s.unshared(len(s.spare)))
 
     def _torch_zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
         if self._own_zero_grad is not None:
@@ -401,6 +415,9 @@ def flat_grads_of(optimizer: Any) -> FlatGrads | None:
 
 
 def _require_known(check: str) -> None:
+    if check == "refcount" and _use_count is None:
+        raise ValueError("flat_grads(check='refcount') counts the tensors sharing each buffer with "
+                         "torch._C._storage_Use_Count, which this torch lacks: use check='identity' (the default here)")
     if check not in CHECKS:
         raise ValueError(f"flat_grads(check={check!r}): choose one of {', '.join(map(repr, CHECKS))}")
 

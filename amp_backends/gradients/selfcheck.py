@@ -16,12 +16,12 @@ __all__ = ["kernel_self_check"]
 
 
 def kernel_self_check(kernel: Kernel, device: torch.device) -> str | None:
-    """What is wrong with ``kernel`` on ``device`` (None: nothing). Float32 and float16 gradients:
-    unscale values bitwise equal to torch's op, inf and NaN found, a found_inf already set kept (an
-    earlier group's), read-only ops write nothing,
-    the sum of squares right; float32, float16 and bfloat16 gradients longer than any block with
-    the inf/NaN only at their end, as a list and as an arena's flat buffer. A kernel that raises is
-    reported, not propagated."""
+    """What is wrong with ``kernel`` on ``device`` (None: nothing). Float32 and float16 gradients, contiguous,
+    transposed, channels_last and a strided slice: values unscaled by 1/3 bitwise equal to torch's op
+    (and nothing between a slice's elements written), inf and NaN found, a found_inf already set kept (an
+    earlier group's), read-only ops write nothing, the sum of squares right (every layout counted);
+    float32, float16 and bfloat16 gradients longer than any block with the inf/NaN only at their end,
+    as a list and as an arena's flat buffer. A kernel that raises is reported, not propagated."""
     threshold = getattr(kernel, "min_elements", None)
     if threshold:  # a kernel that hands small inputs to torch is checked on its own code too
         kernel.min_elements = 0  # type: ignore[attr-defined]  # the Triton kernel's size threshold, lowered for the check
@@ -101,40 +101,64 @@ def _self_check_problem(kernel: Kernel, device: torch.device) -> str | None:
     return None
 
 
+def _small_grads(dtype: torch.dtype, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Short gradients in every layout a backward leaves (contiguous; transposed and channels_last, dense
+    but not contiguous; a strided slice, not dense), and the tensors that own their memory (compared
+    whole: a kernel must write the slice's elements and nothing between them)."""
+    values = (torch.arange(48, dtype=torch.float32) % 11 - 5) * 1.75  # a third of these is inexact
+    base = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.0, -0.75, 6.0, 1.0])
+    owners = [base.clone(), base[:5].clone(), values[:12].reshape(3, 4).clone(), values[:24].reshape(2, 3, 2, 2).clone(),
+              values[:10].clone()]
+    owners = [o.to(dtype).to(device) for o in owners]
+    grads = [owners[0], owners[1], owners[2].t(), owners[3].contiguous(memory_format=torch.channels_last),
+             owners[4][::2]]
+    owners[3] = grads[3]  # (its own memory, in channels_last order)
+    return grads, owners
+
+
 def _small_problem(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Two short gradients against torch's own op: unscale, the read-only check, the norm."""
-    base = torch.tensor([1.5, -2.0, 0.25, 3.0, 0.0, -0.75, 6.0, 1.0], dtype=dtype)
-    inv = torch.full((), 0.5, dtype=torch.float32, device=device)
+    """Short gradients in every layout (:func:`_small_grads`) against torch's own op: unscale by a factor
+    that rounds (1/3), the read-only check, the norm."""
+    inv = torch.full((), 1 / 3, dtype=torch.float32, device=device)
     for bad in (None, float("inf"), float("nan")):
-        grads = [base.clone().to(device), base[:5].clone().to(device)]
+        grads, owners = _small_grads(dtype, device)
+        if bad is not None:  # the inf in a contiguous gradient, the NaN in the strided slice
+            grads[1 if bad == float("inf") else 4][2] = bad
+        reference, ref_owners = _small_grads(dtype, device)
         if bad is not None:
-            grads[1][2] = bad
-        reference = [g.clone() for g in grads]
+            reference[1 if bad == float("inf") else 4][2] = bad
         found, ref_found = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
         kernel.grad_op_(_group(grads), found, inv)
         amp_foreach_non_finite_check_and_unscale_(reference, ref_found, inv)
         if bool(found.item()) != (bad is not None):
             return f"{'missed an' if bad is not None else 'reported an'} inf/NaN in {dtype} gradients"
-        if bad is None and not all(torch.equal(a, b) for a, b in zip(grads, reference)):
-            return f"unscaled {dtype} values differ from torch's"
-        untouched = [g.clone() for g in grads]
+        if bad is None:
+            for kind, a, b in zip(_LAYOUTS, owners, ref_owners):
+                if not torch.equal(a, b):
+                    return f"unscaled {dtype} values differ from torch's in a {kind} gradient"
+        untouched = [o.clone() for o in owners]
         found.zero_()
         kernel.grad_op_(_group(grads), found)
         if bool(found.item()) != (bad is not None):
             return f"its read-only check {'missed' if bad is not None else 'invented'} an inf/NaN"
-        if not all(torch.equal(a, b) or (a.isnan().any() and b.isnan().any()) for a, b in zip(grads, untouched)):
+        if not all(torch.equal(a, b) or (a.isnan().any() and b.isnan().any()) for a, b in zip(owners, untouched)):
             return "its read-only check wrote the gradients"
     for scale in (inv, None):  # found_inf already set (an earlier group's inf/NaN): kept, never cleared
         kept = torch.ones((), dtype=torch.float32, device=device)
-        kernel.grad_op_(_group([base.clone().to(device)]), kept, scale)
+        kernel.grad_op_(_group(_small_grads(dtype, device)[0][:1]), kept, scale)
         if not bool(kept.item()):
             return (f"its {'unscale' if scale is not None else 'read-only check'} cleared a found_inf already set "
                     "(by an earlier group of gradients): it must only ever raise it")
-    grads = [base.clone().to(device)]
+    grads, reference = _small_grads(dtype, device)[0], _small_grads(dtype, device)[0]
+    amp_foreach_non_finite_check_and_unscale_(reference, torch.zeros_like(inv), inv)
     norm_sq = torch.zeros((), dtype=torch.float32, device=device)
     found = torch.zeros((), dtype=torch.float32, device=device)
     kernel.grad_op_(_group(grads), found, inv, norm_sq)
-    expected = float((base.double() * 0.5).pow(2).sum())
+    expected = float(sum(r.double().pow(2).sum() for r in reference))  # of torch's unscaled values
     if abs(float(norm_sq.item()) - expected) > 1e-3 * expected:
-        return f"sum of squares {float(norm_sq.item()):g} where {expected:g} is right"
+        return f"sum of squares {float(norm_sq.item()):g} where {expected:g} is right (every layout counted)"
     return None
+
+
+#: The layouts of :func:`_small_grads`, in its order.
+_LAYOUTS = ("contiguous", "short contiguous", "transposed", "channels_last", "strided slice")

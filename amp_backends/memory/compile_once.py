@@ -12,6 +12,11 @@ limits around the loop), but the wrapper costs more host time than the update it
 options: the first call builds the wrapper, every later one reuses it. The graphs, their guards and
 what they compute are the same (dynamo keys its cache on the function's code, not on the wrapper):
 the parameters after a step are bitwise those of the plain step with the same random state.
+
+``optimizer.step`` becomes a method bound to the optimizer, as torch's own is: an LR scheduler made
+before or after wraps it as it wraps torch's (its check that ``optimizer.step()`` ran before
+``scheduler.step()`` included). The replacement is recorded (:mod:`amp_backends.patches`);
+:func:`undo_compile_once` (``Lean.remove()``, where ``memory_lean`` applied it) ends it.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ import contextlib
 import functools
 import threading
 from collections.abc import Iterator
+from types import MethodType
 from typing import Any
 
 import torch
 
 from .. import patches
 
-__all__ = ["compile_once", "compiled_once", "uses_compile_per_call"]
+__all__ = ["compile_once", "compile_once_patch", "compiled_once", "undo_compile_once", "uses_compile_per_call"]
 
 _LOCK = threading.RLock()
 
@@ -55,22 +61,58 @@ def compiled_once(cache: dict[Any, Any]) -> Iterator[None]:
             yield
 
 
+#: What the patch of ``optimizer.step`` is recorded as doing.
+_CAUSE = "torchao's step compiles its update per parameter: each compile wrapper built once (compile_once)"
+
+
 def compile_once(optimizer: Any) -> Any:
     """Make ``optimizer.step`` build each compile wrapper once (see the module docstring); returns the
     optimizer. Its hooks, state and ``state_dict`` are untouched; twice is a no-op."""
-    if getattr(optimizer.step, "_amp_compile_once", False):
-        return optimizer
-    step = optimizer.step
-    cache: dict[Any, Any] = {}
-
-    @functools.wraps(step)
-    def stepped(*args: Any, **kwargs: Any) -> Any:
-        with compiled_once(cache):
-            return step(*args, **kwargs)
-
-    stepped._amp_compile_once = True  # type: ignore[attr-defined]
-    optimizer.step = stepped
+    compile_once_patch(optimizer)
     return optimizer
+
+
+def compile_once_patch(optimizer: Any) -> patches.Patch | None:
+    """:func:`compile_once`, returning the patch of ``optimizer.step`` whose ``remove()`` ends it (None
+    where it was on already: that one's owner ends it)."""
+    if _patch_of(optimizer) is not None:
+        return None
+    previous = optimizer.step
+    # the class's step (or one bound to this optimizer) is bound afresh to each call's optimizer, so that
+    # the function holds no optimizer (the scheduler binds it to the optimizer it holds weakly); any other
+    # callable (a scheduler's wrapper made before) is called as it is
+    rebind = isinstance(previous, MethodType) and previous.__self__ is optimizer
+    inner = previous.__func__ if rebind else previous
+    cache: dict[Any, Any] = {}
+    patch: patches.Patch | None = None
+
+    @functools.wraps(inner)  # (an LR scheduler's wrapper made before: its marks carried, as it checks them)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        run = MethodType(inner, self) if rebind else inner
+        if patch is not None and not patch.active:  # ended while a scheduler's wrapper still calls it
+            return run(*args, **kwargs)
+        with compiled_once(cache):
+            return run(*args, **kwargs)
+
+    # torch's LR schedulers wrap ``optimizer.step.__func__``: a method, as torch's own step is
+    patch = patches.replace(optimizer, "step", MethodType(step, optimizer), cause=_CAUSE,
+                            scope="until undo_compile_once() (Lean.remove(), where memory_lean applied it)")
+    step._amp_compile_once = patch  # type: ignore[attr-defined]  # (copied onto a scheduler's wrapper made after)
+    return patch
+
+
+def _patch_of(optimizer: Any) -> patches.Patch | None:
+    """The compile_once patch in force on ``optimizer.step`` (read through a scheduler's wrapper too)."""
+    patch = getattr(optimizer.step, "_amp_compile_once", None)
+    return patch if isinstance(patch, patches.Patch) and patch.active else None
+
+
+def undo_compile_once(optimizer: Any) -> None:
+    """End :func:`compile_once` on ``optimizer``: its step as before, or, where an LR scheduler wrapped
+    it since, that wrapper left in place, calling the plain step."""
+    patch = _patch_of(optimizer)
+    if patch is not None:
+        patch.remove()
 
 
 def uses_compile_per_call(optimizer: Any) -> bool:

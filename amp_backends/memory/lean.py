@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import patches
 from ..errors import AmpBackendsError
 from ..precision.fp8.engine import is_fp8
 from ..precision.policy import fp32_modules
@@ -62,7 +63,7 @@ from .activation_inputs import ActivationInputs, recompute_activation_inputs
 from .activation_outputs import ActivationOutputs, pure_function, recompute_activation_outputs
 from .activations import FusedActivations, fused_activations
 from .chunked_loss import head_lever_refusal, lazy_head, undo_lazy_head
-from .compile_once import compile_once, uses_compile_per_call
+from .compile_once import compile_once_patch, uses_compile_per_call
 from .dropout_masks import DropoutMasks, pack_dropout_masks
 from .master import LOW_PRECISION, MasterWeights, own_lists_refusal, widen_state
 from .recompute import Recompute, RecomputeError, selective_recompute
@@ -91,6 +92,9 @@ _ON: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 class Lean:
     """What :func:`memory_lean` turned on; :meth:`remove` turns it off."""
+
+    #: the optimizer's step building each compile wrapper once, where memory_lean made it so
+    _compile_once: patches.Patch | None = None
 
     def __init__(self, model: nn.Module, optimizer: Any, lowered: list[nn.Parameter], kept: dict[str, str],
                  saves: LowPrecisionSaves | None, head: nn.Linear | None, weights: torch.dtype | None,
@@ -183,6 +187,9 @@ class Lean:
         if self._recompute is not None:
             self._recompute.remove()
             self._recompute = None
+        if self._compile_once is not None:
+            self._compile_once.remove()
+            self._compile_once = None
         optimizer = self.optimizer
         if isinstance(optimizer, MasterWeights):
             optimizer.sync()
@@ -368,6 +375,7 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     lowered: list[nn.Parameter] = []
     kept: dict[str, str] = {}
     masters: dict[nn.Parameter, torch.Tensor] = {}
+    compiled = None
     if weights is not None:
         assert optimizer is not None
         trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -394,7 +402,7 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
             optimizer = MasterWeights(optimizer, masters)
             optimizer.watch_loads(model)
         elif uses_compile_per_call(optimizer):  # torchao's per-parameter compiled update: its wrapper built once
-            compile_once(optimizer)
+            compiled = compile_once_patch(optimizer)
     low = low_precision_saves(model) if saves else None
     fused = fused_activations(model) if activations else None
     outputs = recompute_activation_outputs(model) if activation_outputs else None
@@ -406,5 +414,6 @@ def memory_lean(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     notes = notices(model, lowered[0], masters=master) if lowered else None
     lean = Lean(model, optimizer, lowered, kept, low, head, weights, again, fused, outputs, casts, inputs, masks,
                 notes)
+    lean._compile_once = compiled
     _ON[model] = True
     return lean

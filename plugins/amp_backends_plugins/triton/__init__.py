@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -23,6 +24,32 @@ from amp_backends.gradients.kernel import TORCH_KERNEL
 TRITON_DEVICE_TYPES = ("cuda", "xpu")
 #: Below this many elements in a (device, dtype) group, torch's op is cheaper end to end.
 MIN_ELEMENTS = 1 << 22
+
+
+def check_inputs(device: torch.device, found_inf: torch.Tensor, inv_scale: Optional[torch.Tensor]) -> None:
+    """Refuse what torch's op refuses, with its messages: a launch reads ``found_inf`` and ``inv_scale``
+    as one float32 each on the gradients' device (a float64 scale would be read as half its bits)."""
+    for name, t in (("inv_scale", inv_scale), ("found_inf", found_inf)):
+        if t is None:
+            continue
+        if t.device != device:
+            what = (f"{name} must be a {device.type.upper()} tensor." if t.device.type != device.type
+                    else f"{name} must be on the gradients' device.")
+            raise RuntimeError(f"{what} Got one on {t.device}, the gradients are on {device}: make it on theirs")
+        if t.shape.numel() != 1:  # (not Tensor.numel: its calls are counted to catch a pass over the gradients)
+            raise RuntimeError(f"{name} must be a 1-element tensor. Got {t.shape.numel()} elements: pass a 0-dim "
+                               "tensor")
+        if t.dtype != torch.float32:
+            raise RuntimeError(f"{name} must be a float tensor. Got {t.dtype}: pass a torch.float32 tensor, "
+                               "as torch.amp.GradScaler does")
+
+
+def one_device(grads: Sequence[torch.Tensor]) -> None:
+    """Refuse gradients on several devices, as torch's op does: one launch addresses one device's memory."""
+    if len(set(map(torch.Tensor.get_device, grads))) > 1:
+        found = ", ".join(sorted(set(str(g.device) for g in grads)))
+        raise RuntimeError(f"scaled_grads must be on the same device. Got gradients on {found}: hand each "
+                           "device's gradients over as a group of their own")
 
 
 def _interpreting() -> bool:
@@ -82,4 +109,4 @@ def amp_backends_register_kernels(register) -> None:
     register(TritonKernel())
 
 
-__all__ = ["TritonKernel", "TORCH_KERNEL"]
+__all__ = ["TritonKernel", "TORCH_KERNEL", "check_inputs", "one_device"]

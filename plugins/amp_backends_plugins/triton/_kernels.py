@@ -14,10 +14,15 @@ bf16 is moved as int16 bit patterns and widened/rounded with integer operations
 
 Non-dense gradients (strided slices) go through torch's ops instead; transposed and
 other permuted-dense layouts are handled in place.
+
+The inputs are checked as torch's op checks them (``check_inputs``, ``one_device``): ``found_inf`` and
+``inv_scale`` one-element float32 tensors on the gradients' device, every gradient on one device. A
+list mixing dtypes runs as one list per dtype: a launch reads every element at its group's width.
 """
 
 # No ``from __future__ import annotations`` here: Triton 3.0 (the oldest release supported)
 # recognises ``tl.constexpr`` parameters only from evaluated annotations.
+import operator
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,7 +37,7 @@ from amp_backends.gradients.groups import FlatGroup
 from amp_backends.gradients.kernel import TORCH_KERNEL, add_sum_of_squares, through_float32
 from amp_backends.torch_private import amp_foreach_non_finite_check_and_unscale_
 
-from . import TritonKernel
+from . import TritonKernel, check_inputs, one_device
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -85,6 +90,7 @@ _TABLE_CACHE_SIZE = 16
 #: Lists up to this long are summed on every call to pick torch's op or Triton's (under 3 us).
 _SCAN_UP_TO = 64
 _TOTALS: dict[tuple[int, torch.dtype, int, int], int] = {}
+_DTYPE = operator.attrgetter("dtype")
 
 
 @triton.jit
@@ -430,9 +436,22 @@ def run(
 
     Below ``min_elements`` elements in all, torch's op runs an unscale or check: there its one
     C++ call costs the host less than Triton's Python launcher, and the data is too small for
-    bandwidth to matter. Never a norm: torch's per-tensor norms cost the host far more."""
+    bandwidth to matter. Never a norm: torch's per-tensor norms cost the host far more.
+
+    Inputs torch's op refuses are refused (``check_inputs``, ``one_device``); a list mixing dtypes, which the
+    executor never hands over, runs as one list per dtype."""
+    if not grads:
+        return  # (torch's op checks nothing either)
+    check_inputs(grads[0].device, found_inf, inv_scale if write else None)
     if min_elements and norm_sq is None and _elements_below(grads, min_elements):
+        # torch's op checks each gradient's device and takes mixed dtypes itself: no pass over them here
         _torch_ops(grads if isinstance(grads, list) else list(grads), found_inf, inv_scale if write else None, norm_sq)
+        return
+    one_device(grads)
+    dtypes = dict.fromkeys(map(_DTYPE, grads))
+    if len(dtypes) > 1:
+        for dtype in dtypes:
+            run([g for g in grads if g.dtype == dtype], found_inf, inv_scale, write, norm_sq, min_elements)
         return
     dense, ptrs, numels, other, wrapped = _split(grads)
     _torch_ops(wrapped, found_inf, inv_scale if write else None, norm_sq)
@@ -454,6 +473,7 @@ def run_flat(group: FlatGroup, found_inf: torch.Tensor, inv_scale: Optional[torc
     """One launch over an arena group; its block table is made once and kept on the group.
     The blocks cover the views only: the gaps between them are never read. Below
     ``min_elements``, an unscale or check is torch's op on the whole buffer (as :func:`run`)."""
+    check_inputs(group.buffer.device, found_inf, inv_scale)
     if group.dtype not in KERNEL_DTYPES:
         _fallback(group.views(), found_inf, inv_scale, inv_scale is not None, norm_sq)
         return
