@@ -14,7 +14,7 @@ from ..errors import AmpBackendsError
 from ..patches import stdout_to_stderr
 from ..torch_private import tree_map
 
-__all__ = ["load_target", "main", "plan_main"]
+__all__ = ["load_target", "main", "plan_main", "strict_json"]
 
 
 def load_target(target: str, size: str = "small") -> tuple[nn.Module, Any, Callable[[Any], torch.Tensor] | None]:
@@ -92,12 +92,24 @@ def main(target: str, backend: str | None, dtype: str | None, size: str, policy:
             report.notes.append(f"{what} emulated: backend {be.name!r} has no {what} matmul, so the figures are "
                                 f"{what}'s numerics, not its speed")
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps(strict_json(report.to_dict()), indent=2, allow_nan=False))
     else:
         print(report.table())
         print()
         print(f"{be.name}, {report.dtype}: {report.summary}")
     return 0
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every inf/NaN float as None: JSON has no such numbers (Python's ``NaN`` and
+    ``Infinity`` tokens are not JSON, and strict parsers refuse them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def plan_main(target: str, backend: str | None, dtype: str | None, size: str, budget: float, emulate: bool,
@@ -126,7 +138,7 @@ def plan_main(target: str, backend: str | None, dtype: str | None, size: str, bu
     if save:
         plan.save(save)
     if as_json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        print(json.dumps(strict_json(plan.to_dict()), indent=2, allow_nan=False))
     else:
         print(plan.table())
         if save:

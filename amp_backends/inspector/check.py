@@ -19,7 +19,14 @@ the same forward and backward in float32 as the reference:
   of those scales, is said to be beyond loss scaling;
 - the first op that produced inf/NaN, forward and backward (:mod:`amp_backends.tracing.produced`: an
   overflow or a NaN made by arithmetic, not an inf written on purpose): module, op, dtype, shape, count;
-- per module, the relative error of its outputs and of its gradients against float32.
+- per module, the relative error of its outputs and of its gradients against float32;
+- what is inf/NaN in float32 too (an inf held in a buffer, a NaN in a weight, ``sqrt`` at 0 in the
+  backward) is no precision problem: said apart (the first module whose float32 output holds it,
+  the modules whose float32 gradients do), not counted as float16's overflow, and not taken as a
+  model beyond loss scaling.
+
+While it runs, :func:`~amp_backends.quant_stats` hooks on the model pause (its forwards are no
+training steps).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch
 from torch import nn
 
 from ..precision.fp8 import engine as fp8
+from ..precision.stats import paused
 from ..backend import Backend
 from ..devices.autocast_lists import MODULE_OPS
 from ..memory.by_module import ModuleMemory, saved_by_module
@@ -45,7 +53,8 @@ from ..tracing.isolation import call_args, untouched
 from ..tracing.opcount import NonFinite, Op, OpRecorder
 from ..torch_private import tree_leaves
 from . import scales as measured
-from .report import FP16_MAX, ModelReport, ModuleRow
+from .outputs import Outputs, over, rel
+from .report import ModelReport, ModuleRow
 
 __all__ = ["CheckError", "CheckTypeError", "ModelReport", "ModuleRow", "check_model"]
 _LOW = (torch.float16, torch.bfloat16)
@@ -115,51 +124,6 @@ def _loss_of(output: Any, loss_fn: Callable[[Any], Any] | None, params: list[tor
 
 
 # -- the runs ------------------------------------------------------------------------------------
-class _Outputs:
-    """Each module's floating outputs, per call, and the dtype of its first floating input."""
-
-    def __init__(self, model: nn.Module, keep: bool) -> None:
-        self.names = {id(m): n for n, m in model.named_modules()}
-        self.outputs: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self.inputs: dict[str, str] = {}
-        self.over: dict[str, int] = defaultdict(int)
-        self.keep = keep
-        self._handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(self._pre),
-                                                               m.register_forward_hook(self._post))]
-
-    def _pre(self, module: nn.Module, args: Any) -> None:
-        first = next((t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
-        name = self.names.get(id(module), "?")
-        if first is not None and name not in self.inputs:
-            self.inputs[name] = str(first.dtype).replace("torch.", "")
-
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        name = self.names.get(id(module), "?")
-        floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if floats:
-            self.outputs[name].append(floats[0].detach() if self.keep else floats[0].new_empty(0))
-            self.over[name] += sum(_over(t) for t in floats)
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def _over(t: torch.Tensor | None) -> int:
-    if t is None or not t.is_floating_point() or t.numel() == 0:
-        return 0
-    return int((t.detach().abs().float() > FP16_MAX).sum())
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float | None:
-    if a.shape != b.shape:
-        return None
-    a, b = a.double(), b.double()
-    denom = float(b.norm())
-    diff = float((a - b).norm())
-    return diff / denom if denom else (0.0 if diff == 0 else math.inf)
-
-
 def check_model(
     model: nn.Module,
     example_inputs: Any,
@@ -198,22 +162,23 @@ def check_model(
     _check_inputs_finite(args, kwargs)
     params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
     fp16 = low == torch.float16
-    with untouched(model, be.device_type) as rng:
-        ref_outputs, ref_grads = None, None
+    with untouched(model, be.device_type) as rng, paused(model):
+        ref: _Reference | None = None
         kept: list[str] = []
         if compare or fp16:  # the float32 reference (fp8 layers as plain Linear layers)
             with fp8.as_linear(model) as kept:
-                ref_outputs, ref_grads = _reference(model, args, kwargs, be, loss_fn, params, compare)
+                ref = _reference(model, args, kwargs, be, loss_fn, params, compare)
             rng.restore()
+        ref_grads = None if ref is None else ref.grads
         without_fp8 = None
         if fp16 and ref_grads is not None and any(fp8.is_fp8(m) for m in model.modules()):
             without_fp8 = functools.partial(_loss_without_fp8, model, args, kwargs, be, low, loss_fn, params, rng)
-        run = _low_run(model, args, kwargs, be, low, loss_fn, params, scale, ref_grads, compare, without_fp8)
+        run = _low_run(model, args, kwargs, be, low, loss_fn, params, scale, ref, compare, without_fp8)
         held = None
         if memory:
             rng.restore()
             held = saved_by_module(model, args, kwargs, be, low)
-    report = _report(model, be, low, scale, run, ref_outputs, ref_grads, params, set(fp32_modules(model)))
+    report = _report(model, be, low, scale, run, ref, params, set(fp32_modules(model)))
     if held is not None:
         _add_memory(report, *held)
     weights = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()} & {"float16", "bfloat16"})
@@ -254,9 +219,18 @@ def _add_memory(report: ModelReport, held: dict[str, ModuleMemory], why: str | N
         report.notes.append(why)
 
 
+@dataclass
+class _Reference:
+    """The float32 run: each module's outputs (and where they hold inf/NaN), the parameters'
+    gradients, whether the loss is finite (None: no loss)."""
+
+    outputs: Outputs
+    grads: list[torch.Tensor | None] | None
+    loss_finite: bool | None
+
+
 def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend, loss_fn: Any,
-               params: list[torch.Tensor], keep: bool
-               ) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor | None] | None]:
+               params: list[torch.Tensor], keep: bool) -> _Reference:
     """Each module's outputs and the parameters' gradients with autocast off, in float32: a model whose
     weights are float16/bfloat16 runs float32 copies of them (and its low-precision inputs in float32),
     the gradients taken in float32."""
@@ -265,8 +239,8 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
 
     copies = float32_copies(model)
     by_id = {id(p): copies[name] for name, p in model.named_parameters(remove_duplicate=False) if name in copies}
-    seen = _Outputs(model, keep=keep)
-    ref_grads = None
+    seen = Outputs(model, keep=keep, marks=True)
+    ref_grads, finite = None, None
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.autocast(be.device_type, enabled=False))
@@ -276,10 +250,11 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
             output = model(*args, **kwargs)
         loss = _loss_of(output, loss_fn, params)
         if loss is not None:
+            finite = bool(torch.isfinite(loss.detach()).all())
             ref_grads = measured.grads(loss, [by_id.get(id(p), p) for p in params], 1.0, retain=False)
     finally:
         seen.remove()
-    return seen.outputs, ref_grads
+    return _Reference(seen, ref_grads, finite)
 
 
 def _float32_input(x: Any) -> Any:
@@ -289,7 +264,7 @@ def _float32_input(x: Any) -> Any:
 @dataclass
 class _Run:
     ops: list[Op]
-    outputs: _Outputs
+    outputs: Outputs
     grads: list[torch.Tensor | None] | None
     forward_bad: NonFinite | None
     backward_bad: NonFinite | None
@@ -305,7 +280,7 @@ class _Run:
 
 
 def _low_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be: Backend, low: torch.dtype,
-             loss_fn: Any, params: list[torch.Tensor], scale: float, ref_grads: list[torch.Tensor | None] | None,
+             loss_fn: Any, params: list[torch.Tensor], scale: float, ref: _Reference | None,
              compare: bool, without_fp8: Callable[[], torch.Tensor | None] | None = None) -> _Run:
     """The forward under autocast and the backward at ``scale``, every op recorded; then, for float16,
     more backwards on the same graph at every scale of :data:`.scales.SCALE_RANGE`, each judged against
@@ -315,7 +290,8 @@ def _low_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be
 
     attribution = Attribution(model)
     recorder = OpRecorder(attribution.where)
-    seen = _Outputs(model, keep=compare)
+    seen = Outputs(model, keep=compare, reference=None if ref is None else ref.outputs)
+    ref_grads = None if ref is None else ref.grads
     grads = None
     try:
         with recorder:
@@ -341,9 +317,10 @@ def _low_run(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], be
                 fp8_scales=sweep.fp8, fp8_lost=sweep.fp8_at_scale)
 
 
-def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: _Run,
-            ref_outputs: dict[str, list[torch.Tensor]] | None, ref_grads: list[torch.Tensor | None] | None,
+def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: _Run, ref: _Reference | None,
             params: list[torch.Tensor], policed: set[str]) -> ModelReport:
+    ref_outputs = None if ref is None else ref.outputs.outputs
+    ref_grads = None if ref is None else ref.grads
     by_module: dict[str, list[Op]] = defaultdict(list)
     for op in run.ops:
         by_module[op.module].append(op)
@@ -357,6 +334,11 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
         if masks else [0] * len(params)
     lost_fp8 = [0 if f is None else int(f.sum()) for f in fp8_lost]
     nonfinite = measured.nonfinite(grads) if grads is not None else [0] * len(params)
+    # inf/NaN where the float32 reference has them too: the model's, not the precision's
+    ref_bad = measured.nonfinite(ref_grads) if ref_grads is not None else [0] * len(params)
+    shared = [n - m for n, m in zip(nonfinite, measured.nonfinite(grads, ref_grads))] \
+        if grads is not None and ref_grads is not None else [0] * len(params)
+    fp32_bad_grads: list[str] = []
     rows: list[ModuleRow] = []
     for name, module in model.named_modules():
         row = ModuleRow(name, type(module).__name__, output_dtype=_first_dtype(run.outputs.outputs.get(name)))
@@ -385,37 +367,42 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
                                            be.autocast_lists.module_policy(module),
                                            isinstance(module, tuple(MODULE_OPS)))
         own = [p for p in module.parameters(recurse=False) if id(p) in index]
-        row.params_over = sum(_over(p) for p in module.parameters(recurse=False))
+        row.params_over = sum(_finite_over(p) for p in module.parameters(recurse=False))
         row.outputs_over = run.outputs.over.get(name, 0)
+        if any(ref_bad[index[id(p)]] for p in own):
+            fp32_bad_grads.append(name)
         if grads is not None and own:
-            mine = [grads[index[id(p)]] for p in own]
-            finite = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in mine if g is not None]
+            mine = [g for g in (grads[index[id(p)]] for p in own) if g is not None]
             row.grads_nonfinite = sum(nonfinite[index[id(p)]] for p in own)
             row.grads_underflow = sum(lost[index[id(p)]] for p in own) if fp16 else 0
             row.grads_lost_fp8 = sum(lost_fp8[index[id(p)]] for p in own)
-            row.grads_over = sum(_over(g) for g in finite)
-            if finite:
-                row.grad_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in finite))
+            row.grads_over = sum(_finite_over(g) for g in mine)
+            if mine:
+                row.grad_norm = _norm(mine)
             if ref_grads is not None:
                 pairs = [(grads[index[id(p)]], ref_grads[index[id(p)]]) for p in own]
                 pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
                 if pairs:
-                    row.grad_error = _rel(torch.cat([a.flatten() for a, _ in pairs]),
-                                          torch.cat([b.flatten() for _, b in pairs]))
+                    row.grad_error = rel(torch.cat([a.flatten() for a, _ in pairs]),
+                                         torch.cat([b.flatten() for _, b in pairs]))
         if ref_outputs is not None and run.outputs.outputs.get(name) and ref_outputs.get(name):
             mine_out, theirs = run.outputs.outputs[name], ref_outputs[name]
             if len(mine_out) == len(theirs) and all(a.shape == b.shape for a, b in zip(mine_out, theirs)):
-                row.output_error = _rel(torch.cat([a.float().flatten() for a in mine_out]),
-                                        torch.cat([b.float().flatten() for b in theirs]))
+                row.output_error = rel(torch.cat([a.float().flatten() for a in mine_out]),
+                                       torch.cat([b.float().flatten() for b in theirs]))
         rows.append(row)
     forward_ops = [o for o in run.ops if not o.backward]
     fp8_modules = {r.name for r in rows if r.fp8 and r.fp8.startswith("fp8 (")}
-    unique_finite = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in (grads or []) if g is not None]
+    present = [g for g in (grads or []) if g is not None]
+    unique_finite = [torch.where(torch.isfinite(g), g, torch.zeros_like(g)) for g in present]
     best, safe = measured.choose(run.scales) if fp16 and run.scales else ([], None)
     # measured: a loss that is inf/NaN (the forward overflowed, and scaling comes after it), or inf/NaN
-    # gradients at every scale tried; an overflow in the forward that the loss never sees does not decide it
-    beyond = fp16 and not run.forward_only and (run.loss_finite is False or bool(run.scales) and safe is None)
-    if beyond:
+    # gradients at every scale tried; an overflow in the forward that the loss never sees does not decide it,
+    # nor does what is inf/NaN in float32 too (the sweep leaves those gradient values out)
+    fp32_loss_bad = ref is not None and ref.loss_finite is False
+    beyond = fp16 and not run.forward_only and ((run.loss_finite is False and not fp32_loss_bad)
+                                                 or bool(run.scales) and safe is None)
+    if beyond or fp32_loss_bad:  # a loss inf/NaN in float32: no scale to suggest
         best, safe = [], None
     notes = []
     if run.forward_only:
@@ -431,8 +418,9 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
         low_flops=sum(o.flops for o in forward_ops if o.dtype in _LOW and o.module not in fp8_modules),
         fp8_flops=sum(o.flops for o in forward_ops if o.module in fp8_modules),
         misaligned_flops=sum(o.flops for o in forward_ops if o.misaligned), safe_scales=safe, best_scales=best,
-        grad_norm=math.sqrt(sum(float(g.double().pow(2).sum()) for g in unique_finite)) if grads else math.nan,
-        params_over=sum(_over(p) for p in model.parameters()), grads_over=sum(_over(g) for g in unique_finite),
+        grad_norm=_norm(present) if grads else math.nan, grad_norm_finite=_norm(unique_finite) if grads else math.nan,
+        params_over=sum(_finite_over(p) for p in model.parameters()),
+        grads_over=sum(_finite_over(g) for g in present),
         grads_underflow=sum(lost) if fp16 else 0, grads_lost_fp8=sum(lost_fp8),
         outputs_over=sum(r.outputs_over for r in rows),
         grads_nonfinite=sum(nonfinite), backward_flops=sum(o.flops for o in run.ops if o.backward),
@@ -440,7 +428,21 @@ def _report(model: nn.Module, be: Backend, low: torch.dtype, scale: float, run: 
         backwards_run=run.backwards, beyond_scaling=beyond,
         loss_finite=run.loss_finite,
         first_nonfinite_forward=run.forward_bad, first_nonfinite_backward=run.backward_bad, head=head, notes=notes,
+        fp32_loss_finite=None if ref is None else ref.loss_finite,
+        fp32_nonfinite_output=None if ref is None else ref.outputs.first_nonfinite,
+        fp32_grads_nonfinite=sum(shared), fp32_nonfinite_grads=fp32_bad_grads,
     )
+
+
+def _norm(found: list[torch.Tensor]) -> float:
+    """The 2-norm of all of ``found`` in float64: inf where a value is inf, NaN where one is NaN (what
+    ``clip_grad_norm_`` returns)."""
+    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in found))
+
+
+def _finite_over(t: torch.Tensor) -> int:
+    """Finite elements of ``t`` beyond float16's 65504 (an inf it already holds is no float16 overflow)."""
+    return over(t, ~torch.isfinite(t.detach())) if t.is_floating_point() else 0
 
 
 def _first_dtype(outputs: list[torch.Tensor] | None) -> str | None:

@@ -3,6 +3,7 @@ a table and JSON."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -17,8 +18,6 @@ FP16_TINY = 2.0**-24
 
 def pow2(x: float) -> str:
     """``2**k`` for a power of two, else the number."""
-    import math
-
     k = math.log2(x) if x > 0 else math.nan
     return f"2**{int(k)}" if k == int(k) else f"{x:g}"
 
@@ -49,11 +48,12 @@ class ModuleRow:
     #: gradient elements of its own parameters lost to float16 at the loss scale checked (zero there,
     #: not in float32)
     grads_underflow: int = 0
-    #: gradient elements that came out inf/NaN at the loss scale checked
+    #: gradient elements that came out inf/NaN at the loss scale checked (float32's too)
     grads_nonfinite: int = 0
     #: gradient elements of its own parameters lost to the model's fp8 layers at the scale checked (the
     #: same model without fp8 keeps them there): not in grads_underflow
     grads_lost_fp8: int = 0
+    #: the norm of its parameters' gradients: inf/NaN where one holds inf/NaN (as clip_grad_norm_ returns it)
     grad_norm: float | None = None
     #: relative error against the float32 run: ||low - fp32|| / ||fp32|| of its outputs and gradients
     output_error: float | None = None
@@ -93,6 +93,8 @@ class ModelReport:
     #: every scale in it measured; None where no scale works (or float16 is not the dtype). The summary
     #: names every run of ``best_scales`` and what the scales between them measured
     safe_scales: tuple[float, float] | None
+    #: the norm of the gradients at the scale checked, unscaled, every value in: inf or NaN where one is
+    #: (what clip_grad_norm_ returns); NaN where no backward ran
     grad_norm: float
     params_over: int
     grads_over: int
@@ -132,6 +134,16 @@ class ModelReport:
     saved_by_dtype: dict[str, int] = field(default_factory=dict)
     weight_copies: int = 0
     lean_held: int | None = None
+    #: the norm of the finite gradient values alone (``grad_norm`` where every value is finite)
+    grad_norm_finite: float = math.nan
+    #: what is inf/NaN in the float32 reference too, no precision problem (None and 0 where it is finite,
+    #: or no reference ran): whether its loss is finite, the first module whose float32 output holds
+    #: inf/NaN, the gradient values inf/NaN at the scale checked and in float32 alike (in
+    #: ``grads_nonfinite``, not in ``scales``' counts), and the modules whose float32 gradients hold inf/NaN
+    fp32_loss_finite: bool | None = None
+    fp32_nonfinite_output: str | None = None
+    fp32_grads_nonfinite: int = 0
+    fp32_nonfinite_grads: list[str] = field(default_factory=list)
 
     @property
     def held(self) -> int:
@@ -188,6 +200,8 @@ class ModelReport:
             parts.append(f"inf/NaN first in the {self.first_nonfinite_forward}")
         if self.first_nonfinite_backward is not None and self.first_nonfinite_forward is None:
             parts.append(f"at scale {self.loss_scale:g}, inf/NaN first in the {self.first_nonfinite_backward}")
+        parts += self._fp32_nonfinite()
+        low_only = self.grads_nonfinite - self.fp32_grads_nonfinite  # inf/NaN the float32 gradients do not hold
         if self.dtype == "float16":
             if self.beyond_scaling:
                 why = ("its forward overflows: the loss is inf/NaN before any scaling" if self.loss_finite is False
@@ -196,8 +210,8 @@ class ModelReport:
                 parts.append(f"no loss scale can save this model in float16: {why} (keep the layer that overflows "
                              "in float32 with a precision policy, or use bfloat16)")
             else:
-                if self.grads_nonfinite:
-                    parts.append(f"the backward overflows at scale {self.loss_scale:g} ({self.grads_nonfinite} "
+                if low_only:
+                    parts.append(f"the backward overflows at scale {self.loss_scale:g} ({low_only} "
                                  "inf/NaN gradient values): the scaler would skip and back off")
                 if self.grads_underflow:
                     parts.append(f"{self.grads_underflow} gradient values lost to float16 at scale {self.loss_scale:g}")
@@ -213,12 +227,32 @@ class ModelReport:
             if self.grads_over or self.params_over or self.outputs_over:
                 parts.append(f"values over fp16's 65504: {self.params_over} in parameters, {self.outputs_over} in "
                              f"outputs, {self.grads_over} in gradients")
-        if self.grad_norm == self.grad_norm:  # not NaN
+        elif low_only > 0:
+            finite32 = " (finite in float32)" if self.fp32_loss_finite is not None else ""
+            parts.append(f"{low_only} gradient values inf/NaN in {self.dtype}{finite32}: the step would carry them")
+        if self.grads_nonfinite and self.loss_finite is not None:
+            parts.append(f"gradient norm {self.grad_norm:.4g} ({self.grads_nonfinite} inf/NaN gradient values; the "
+                         f"norm of the finite ones {self.grad_norm_finite:.4g})")
+        elif self.loss_finite is not None and self.grad_norm == self.grad_norm:  # a backward ran
             parts.append(f"gradient norm {self.grad_norm:.4g}")
         if self.memory_summary:
             parts.append(self.memory_summary)
         parts += self.notes
         return "; ".join(parts)
+
+    def _fp32_nonfinite(self) -> list[str]:
+        """What is inf/NaN in the float32 reference too: the model's, whatever the precision."""
+        said = []
+        if self.fp32_loss_finite is False:
+            where = "" if self.fp32_nonfinite_output is None else \
+                f": inf/NaN first in the float32 output of {self.fp32_nonfinite_output or '(model)'}"
+            said.append(f"the loss is non-finite in float32 too (not a precision problem){where}")
+        if self.fp32_grads_nonfinite:
+            mods = ", ".join(n or "(model)" for n in self.fp32_nonfinite_grads[:4])
+            more = ", ..." if len(self.fp32_nonfinite_grads) > 4 else ""
+            said.append(f"{self.fp32_grads_nonfinite} gradient values non-finite in float32 too (not a precision "
+                        f"problem): in the gradients of {mods}{more}, where a scaler would skip every step in any dtype")
+        return said
 
     def _best_text(self) -> str:
         """Every best scale, as runs of consecutive powers of two, each measured; and what the scales

@@ -10,11 +10,13 @@ there); 2**30 is far above the scaler's start, 2**16 (it doubles after 2000 step
 Cost: one backward per scale, 55 in all, on the graph already built.
 
 A value is lost where it is exactly 0 in the scaled low-precision backward and not in the float32
-reference. For a model with fp8 layers, what fp8 loses is told from what float16 loses by the same
-model without fp8 (its fp8 layers as plain Linear layers, under the same autocast), run at the same
-scale: a value lost there too is float16's; a value the model without fp8 keeps at that scale is
-fp8's (its casts scale each tensor by its own maximum, so the loss scale does not govern what it
-loses). Cost with fp8 layers: twice the backwards, and both graphs held while they run.
+reference; a value inf/NaN there counts as an overflow only where the reference's is finite (an inf or
+NaN the float32 model makes too, ``sqrt`` at 0 in the backward, is no scale's fault). For a model
+with fp8 layers, what fp8 loses is told from what float16 loses by the same model without fp8 (its
+fp8 layers as plain Linear layers, under the same autocast), run at the same scale: a value lost
+there too is float16's; a value the model without fp8 keeps at that scale is fp8's (its casts scale
+each tensor by its own maximum, so the loss scale does not govern what it loses). Cost with fp8
+layers: twice the backwards, and both graphs held while they run.
 """
 
 from __future__ import annotations
@@ -54,8 +56,13 @@ def lost(low: Sequence[torch.Tensor | None], ref: Sequence[torch.Tensor | None])
     return [0 if a is None or b is None else int(((a == 0) & (b != 0)).sum()) for a, b in zip(low, ref)]
 
 
-def nonfinite(found: Sequence[torch.Tensor | None]) -> list[int]:
-    return [0 if g is None else int((~torch.isfinite(g)).sum()) for g in found]
+def nonfinite(found: Sequence[torch.Tensor | None], ref: Sequence[torch.Tensor | None] | None = None) -> list[int]:
+    """Per parameter: gradient elements inf/NaN in ``found``; with ``ref``, only those finite there (what is
+    inf/NaN in the float32 reference too is the model's, not the precision's)."""
+    if ref is None:
+        return [0 if g is None else int((~torch.isfinite(g)).sum()) for g in found]
+    return [0 if g is None else int((~torch.isfinite(g) & torch.isfinite(r)).sum()) if r is not None and
+            r.shape == g.shape else int((~torch.isfinite(g)).sum()) for g, r in zip(found, ref)]
 
 
 def lost_masks(low: Sequence[torch.Tensor | None], ref: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -71,7 +78,7 @@ def scale_list() -> list[float]:
 class Sweep:
     """What :func:`measure` found at every scale of :data:`SCALE_RANGE`."""
 
-    #: scale -> (inf/NaN gradient values, values lost to float16)
+    #: scale -> (inf/NaN gradient values where float32's are finite, values lost to float16)
     scales: dict[float, tuple[int, int]]
     #: scaled backwards run beyond the one at the scale checked
     backwards: int
@@ -83,8 +90,9 @@ class Sweep:
 
 def measure(loss: torch.Tensor, params: list[torch.Tensor], reference: list[torch.Tensor | None], scale: float,
             first: list[torch.Tensor | None], plain: torch.Tensor | None = None) -> Sweep:
-    """(inf/NaN gradient values, values lost) at every power of two in :data:`SCALE_RANGE`, from scaled
-    backwards of ``loss`` (its graph retained; ``first`` are the gradients already taken at ``scale``).
+    """(inf/NaN gradient values where the float32 ``reference`` is finite, values lost) at every power of two
+    in :data:`SCALE_RANGE`, from scaled backwards of ``loss`` (its graph retained; ``first`` are the gradients
+    already taken at ``scale``).
     ``plain``: the loss of the same model without fp8 (graph retained), run at each scale too: a value
     lost counts as float16's where it is lost there as well, else as fp8's."""
     sweep = Sweep({}, 0, fp8_at_scale=None)
@@ -101,7 +109,7 @@ def measure(loss: torch.Tensor, params: list[torch.Tensor], reference: list[torc
             sweep.fp8[s] = sum(0 if m is None else int(m.sum()) for m in fp8)
             if s == scale:
                 sweep.fp8_at_scale = fp8
-        sweep.scales[s] = (sum(nonfinite(found)), sum(0 if m is None else int(m.sum()) for m in masks))
+        sweep.scales[s] = (sum(nonfinite(found, reference)), sum(0 if m is None else int(m.sum()) for m in masks))
     return sweep
 
 

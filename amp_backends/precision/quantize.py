@@ -4,8 +4,10 @@ keep.
 
 - tensorwise and rowwise (``torchao.float8.float8_utils``): ``amax = max|x|`` (per tensor, or per row
   along the reduction axis) in the tensor's dtype; ``scale = fmax / max(amax, 1e-12)`` rounded to
-  float32 (``amax_to_scale``, which divides in float64: float32's correctly rounded quotient is the
-  same number, since 53 >= 2*24 + 2 makes the double rounding innocuous), floored to a power of two
+  float32 (``amax_to_scale``, which divides in float64: float32's correctly rounded quotient, a true
+  float32 division of two tensors, is the same number, since 53 >= 2*24 + 2 makes the double rounding
+  innocuous; ``fmax / amax`` with a Python float would be a reciprocal then a product, two
+  roundings, and a subnormal reciprocal above 2**126), floored to a power of two
   for the rowwise recipes (``_round_scale_down_to_power_of_2``); ``q = fp8(clamp(x * scale, +-fmax))``
   (``to_fp8_saturated``, round to nearest even); dequantized ``q / scale`` (the emulated matmul's).
 - MXFP8 RCEIL (``torchao.prototype.mx_formats.mx_tensor._to_mx_rceil``): per block of 32 along the
@@ -20,21 +22,28 @@ exponent bits), for devices without float8 casts; both are tested bitwise agains
 ``Tensor.to(torch.float8_e4m3fn)`` and the whole quantizers against torchao's.
 
 The figures, per operand and format: ``numel``; ``underflow``, values not zero that quantize to zero;
-``overflow``, values beyond the format's range before saturation (fp8, MX: ``|x * scale| > fmax``,
-TransformerEngine's ``overflows%``; bf16, fp16: a finite value that becomes inf); ``sse``, the sum of
-squared errors of the dequantized values (``mse = sse / numel``, TransformerEngine's ``mse``);
-``sum_sq``, the sum of squares of the values (relative error ``sqrt(sse / sum_sq)``); ``amax``; and the
-smallest and largest dequantization scale (value = q * scale: the reciprocal of torchao's float8
-``scale``, MX's ``2**(e - 127)``; 1 for casts), TransformerEngine's ``scale_inv``.
+``overflow``, values beyond the format's range before saturation (fp8, MX: ``|x * scale|`` past the
+format's rounding boundary, where the cast without saturation leaves the format: above 464 for
+e4m3, from 61440 for e5m2; a value that only rounds to the largest one, such as 448.00003, is not
+counted; bf16, fp16: a finite value that becomes inf); ``sse``, the sum of squared errors of the
+dequantized values (``mse = sse / numel``, TransformerEngine's ``mse``); ``sum_sq``, the sum of squares
+of the values (relative error ``sqrt(sse / sum_sq)``), both divided by ``norm**2``, ``norm`` the power of
+two at or below ``amax`` (float32 squares of values below 1e-19 underflow and above 1e19 overflow;
+the reader multiplies back in float64); ``amax``; the smallest and largest dequantization scale
+(value = q * scale: the reciprocal of torchao's float8 ``scale``, MX's ``2**(e - 127)``; 1 for
+casts), TransformerEngine's ``scale_inv``; and ``norm``.
 """
 
 from __future__ import annotations
+
+import math
+from typing import cast
 
 import torch
 
 from .formats import Spec
 
-__all__ = ["FP8", "amax_to_scale", "figures", "qdq", "round_fp8"]
+__all__ = ["FP8", "amax_to_scale", "beyond", "figures", "qdq", "round_fp8"]
 
 #: fp8 element formats: (largest value, mantissa bits, smallest normal exponent)
 FP8 = {"e4m3": (448.0, 3, -6), "e5m2": (57344.0, 2, -14)}
@@ -78,12 +87,36 @@ def _to_grid(y: torch.Tensor, element: str) -> torch.Tensor:
     return round_fp8(y, element)
 
 
+def _boundary(element: str) -> tuple[float, bool]:
+    """Where ``element``'s cast without saturation leaves the format: halfway between its largest value
+    and the next step, and whether the halfway point itself does (a tie rounds to the even mantissa:
+    448 is even, so 464 rounds to 448; 57344 is odd, so 61440 rounds up, to inf)."""
+    fmax, mbits, _ = FP8[element]
+    step = 2.0 ** (math.floor(math.log2(fmax)) - mbits)
+    return fmax + step / 2, int(fmax / step) % 2 == 1
+
+
+#: per element format: (rounding boundary, whether the boundary itself overflows)
+_BOUNDARY = {name: _boundary(name) for name in FP8}
+
+
+def beyond(y: torch.Tensor, element: str) -> torch.Tensor:
+    """Where ``y`` (scaled, before saturation) is out of ``element``'s range: the values the cast
+    without saturation would make inf or NaN, not those that merely round to the largest value."""
+    bound, inclusive = _BOUNDARY[element]
+    a = y.abs()
+    return a >= bound if inclusive else a > bound
+
+
 def amax_to_scale(amax: torch.Tensor, element: str, pow2: bool) -> torch.Tensor:
-    """torchao's ``amax_to_scale``: ``fmax / max(amax, 1e-12)`` in float32, floored to a power of two
-    where ``pow2``."""
+    """torchao's ``amax_to_scale``, bitwise: ``fmax / max(amax, 1e-12)`` rounded once to float32, floored
+    to a power of two where ``pow2``."""
     fmax = FP8[element][0]
     amax = amax.float()
-    scale = torch.where(amax < _EPS32, torch.full_like(amax, _ZERO_SCALE[element]), fmax / amax)
+    # a true division of two float32 tensors, rounded once like torchao's float64 quotient cast to
+    # float32; a Python-float numerator would make torch multiply by the reciprocal (two roundings)
+    quotient = torch.full_like(amax, fmax) / amax
+    scale = torch.where(amax < _EPS32, torch.full_like(amax, _ZERO_SCALE[element]), quotient)
     if pow2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
@@ -96,7 +129,7 @@ def _scaled(x: torch.Tensor, spec: Spec, axis: int) -> tuple[torch.Tensor, torch
     scale = amax_to_scale(amax, spec.element, spec.pow2)
     y = x.float() * scale
     q = _to_grid(torch.clamp(y, -fmax, fmax), spec.element)
-    return q / scale, y.abs() > fmax, 1.0 / scale
+    return q / scale, beyond(y, cast(str, spec.element)), 1.0 / scale
 
 
 def _mx(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,7 +144,7 @@ def _mx(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor, torch.T
     y = blocks.float() * mult
     q = _to_grid(torch.clamp(y, -fmax, fmax), "e4m3")
     scale = torch.pow(torch.full_like(exponent, 2.0), exponent - 127)
-    deq, over = (q * scale).reshape(rows.shape), (y.abs() > fmax).reshape(rows.shape)
+    deq, over = (q * scale).reshape(rows.shape), beyond(y, "e4m3").reshape(rows.shape)
     if rows is not x:
         deq, over = deq.t(), over.t()
     return deq, over, scale
@@ -133,13 +166,20 @@ def qdq(x: torch.Tensor, spec: Spec, axis: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def figures(x: torch.Tensor, spec: Spec, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The statistics of quantizing ``x`` (2-D) by ``spec`` along ``axis``, as device tensors (no host
-    read): int64 ``[numel, underflow, overflow]`` and float32 ``[sse, sum_sq, amax, scale_min, scale_max]``."""
+    """The statistics of quantizing ``x`` (2-D, not empty) by ``spec`` along ``axis``, as device tensors
+    (no host read): int64 ``[numel, underflow, overflow]`` and float32 ``[sse / norm**2, sum_sq / norm**2,
+    amax, scale_min, scale_max, norm]``, ``norm`` the power of two at or below ``amax`` (1 where ``amax``
+    is 0, inf or NaN)."""
     deq, over, scale = qdq(x, spec, axis)
     x32 = x.float()
     underflow = ((x32 != 0) & (deq == 0)).sum()
     counts = torch.stack([torch.full_like(underflow, x.numel()), underflow, over.sum()])
-    err = deq - x32
-    values = torch.stack([(err * err).sum(), (x32 * x32).sum(), x32.abs().amax(), scale.min().float(),
-                          scale.max().float()])
+    amax = x32.abs().amax()
+    # squares taken relative to a power of two near amax (an exact division): float32 squares of the
+    # values themselves underflow below 1e-19 (small gradients) and overflow above 1e19
+    usable = torch.isfinite(amax) & (amax > 0)
+    exponent = torch.floor(torch.log2(torch.where(usable, amax, 1.0))).clamp(max=127)  # log2 may round up to 128
+    norm = torch.where(usable, torch.exp2(exponent), 1.0)
+    err, xn = (deq - x32) / norm, x32 / norm
+    values = torch.stack([(err * err).sum(), (xn * xn).sum(), amax, scale.min().float(), scale.max().float(), norm])
     return counts, values

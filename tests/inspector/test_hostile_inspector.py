@@ -345,7 +345,9 @@ def test_a_model_beyond_scaling_overflows_at_every_scale():
             self.lin = nn.Linear(4, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.sqrt(torch.relu(self.lin(x)) * 0)  # d sqrt(0) = inf, at any scale
+            # a gradient of 2**60 into the float16 matmul: inf at any scale >= 2**-24, finite in float32
+            # (a model float32 cannot train either, sqrt at 0, is not float16's: test_stats_inspector_hostile)
+            return self.lin(x).float().sum() * 2.0**60
 
     model, x = Root(), torch.randn(2, 4)
     report = check_model(model, x, "cpu", FP16)

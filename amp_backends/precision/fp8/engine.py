@@ -47,7 +47,9 @@ _TOO_SMALL = {
     "rowwise": (lambda n, k: n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048),
                 "N <= 2048, K <= 1024, or N <= 4096 and K <= 2048"),
 }
-_TOO_SMALL["rowwise_with_gw_hp"] = _TOO_SMALL["rowwise"]
+#: Recipes torchao has measured no break-even for (its filter raises "Unsupported recipe"), given the
+#: thresholds of the recipe they derive from, said to be borrowed.
+_BORROWED = {"rowwise_with_gw_hp": "rowwise"}
 TESTED = "torch 2.13 with torchao 0.18, torch 2.11 with torchao 0.17"
 #: The oldest torchao each feature was tested with, and needs: the float8 recipes (``torchao.float8``'s
 #: ``Float8Linear``) and the MX layer (``torchao.prototype.moe_training.mxfp8_linear``, new in 0.18). Below
@@ -272,11 +274,16 @@ def eligibility(module: nn.Module, converters: Any = None) -> str | None:
 def too_small(module: nn.Linear, recipe: str) -> str | None:
     """Why the recipe leaves ``module`` in the autocast dtype for speed (torchao's measured thresholds)."""
     n, k = module.weight.shape
-    if recipe not in _TOO_SMALL:  # MXFP8: torchao publishes no break-even table
+    measured = _BORROWED.get(recipe, recipe)
+    if measured not in _TOO_SMALL:  # MXFP8: torchao publishes no break-even table
         return None
-    rule, said = _TOO_SMALL[recipe]
-    return (f"N={n}, K={k}: below torchao's measured break-even for {recipe} ({said}; H100 tables)"
-            if rule(n, k) else None)
+    rule, said = _TOO_SMALL[measured]
+    if not rule(n, k):
+        return None
+    if measured != recipe:
+        return (f"N={n}, K={k}: below torchao's measured break-even for {measured} ({said}; H100 tables), "
+                f"borrowed for {recipe}, which torchao has not measured")
+    return f"N={n}, K={k}: below torchao's measured break-even for {recipe} ({said}; H100 tables)"
 
 
 def is_fp8(module: nn.Module) -> bool:

@@ -5,8 +5,11 @@ torchao's ``Float8Linear.forward`` casts its input to the autocast dtype of CUDA
 the input stays float32 while autocast lowers some of the emulated matmuls, and the recipe that keeps
 the weight gradient in high precision fails in its backward with mixed dtypes. This subclass does
 what torchao does on CUDA for the input's own device type, then runs torchao's forward with that
-device's autocast off (the output is in the autocast dtype, as a Linear's is). Importing it imports
-torchao (``amp_backends.precision.fp8.engine.engine``).
+device's autocast off (the output is in the autocast dtype, as a Linear's is). It takes what a Linear
+takes: a non-contiguous input is made contiguous first (torchao's axiswise casts refuse to copy a
+strided 3-D input: "aten.clone.default with axiswise scaling is not supported yet"), and a batch of
+no tokens, which has no amax to scale by, runs as the plain matmul (an empty output, zero weight
+gradient). Importing it imports torchao (``amp_backends.precision.fp8.engine.engine``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ class Fp8Linear(_Float8Linear):  # type: ignore[misc, valid-type]  # torchao's c
     """``Float8Linear`` with the autocast dtype taken from the input's device."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.numel() == 0:
+            # torchao's amax over no values raises; the product of an empty batch is empty either way
+            return torch.nn.functional.linear(input, plain_weight(self.weight), self.bias)
+        input = input.contiguous()  # torchao's rowwise casts cannot copy a strided input themselves
         device_type = input.device.type
         if device_type == "cuda" or not torch.is_autocast_enabled(device_type):
             return super().forward(input)  # torchao's own path: CUDA autocast, or no autocast at all

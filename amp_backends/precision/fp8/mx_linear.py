@@ -10,14 +10,17 @@ the casts are torchao's ``to_mx`` and the matmul runs on the dequantized operand
 (float32: the autocast-dtype input widened exactly), then is rounded to the autocast dtype; the real
 kernels (``torch._scaled_mm`` with e8m0 scales) take the autocast-dtype input and return bfloat16.
 Emulated, the layer runs eagerly inside a compiled model (``torch.compiler.disable``): torchao does not
-support compiling its emulated path, and compiled its casts give other values. Importing this module
-imports torchao (:func:`amp_backends.precision.fp8.engine.mx_layer_class`).
+support compiling its emulated path, and compiled its casts give other values. torchao's ``to_mx``
+takes contiguous tensors only (a bare ``AssertionError: unsupported`` otherwise): the input is made
+contiguous, and a non-contiguous weight (a Parameter made from a transpose) is passed on as a
+contiguous copy that autograd differentiates back to the parameter. Importing this module imports
+torchao (:func:`amp_backends.precision.fp8.engine.mx_layer_class`).
 """
 
 from __future__ import annotations
 
 import torch
-from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear, _to_mxfp8_then_scaled_mm
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.quantization.quantize_.common import KernelPreference
 
@@ -63,15 +66,26 @@ class MxLinear(MXFP8Linear):
             x = x.to(self.weight.dtype)  # the emulated matmul multiplies both dequantized operands in one dtype
         elif x.dtype not in _HP:
             x = x.float()  # torchao's casts take float32 or bfloat16; float16 widens exactly
+        x = x.contiguous()  # torchao's to_mx asserts a contiguous tensor
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad):
             why = tokens_reason(x.numel() // max(1, x.shape[-1]), self.config.recipe)
             if why is not None:
                 raise ValueError(f"MXFP8 layer ({self.in_features} -> {self.out_features}): {why}")
         if low is None:
-            return super().forward(x)
+            return self._mm(x)
         with torch.autocast(device_type, enabled=False):
-            out = super().forward(x)
+            out = self._mm(x)
         return out.to(low)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        """torchao's forward; with a non-contiguous weight, the same on a contiguous copy of it (torchao's
+        layer casts ``self.weight`` as it is, and ``to_mx`` refuses strided tensors)."""
+        if self.weight.is_contiguous():
+            return super().forward(x)
+        out = _to_mxfp8_then_scaled_mm(x, self.weight.contiguous(), kernel_preference=self.kernel_preference,
+                                       scale_calculation_mode=self.scale_calculation_mode,
+                                       wgrad_with_hp=self.wgrad_with_hp)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         emulated = ", emulated" if self.config.emulate else ""
