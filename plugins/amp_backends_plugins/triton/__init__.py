@@ -72,7 +72,7 @@ class TritonKernel(Kernel):
         self._impl: Any = None
         #: Groups smaller than this (elements) run on torch's op: Triton's Python launcher costs
         #: the host tens of microseconds, more than the kernel saves on small data (measured on
-        #: an H100: a 6-gradient MLP step 14% slower through Triton). 0 under the interpreter.
+        #: an H100: a 6-gradient MLP step 27% slower through Triton, bench/RESULTS.md). 0 under the interpreter.
         self.min_elements = 0 if _interpreting() else MIN_ELEMENTS
 
     def _installed(self) -> bool:
