@@ -41,7 +41,7 @@ from ..memory.sr_adamw import StochasticAdamW
 from ..memory.ledger import PARTS, Ledger, MemoryReport
 from .bench_models import MODELS
 
-__all__ = ["LEAN_HEADS", "LEFT_BEHIND_MARGIN", "Alone", "ledger_modes", "loss_after", "main", "measure_alone",
+__all__ = ["LEAN_HEADS", "LEFT_BEHIND_MARGIN", "Alone", "autocast_dtype", "ledger_modes", "loss_after", "main", "measure_alone",
            "mode_unavailable", "peak_kind", "memory_rows", "render_memory", "setup_for"]
 
 #: The LM head of a bench model, where it has one (its logits are the largest tensors of the step).
@@ -91,6 +91,11 @@ def mode_unavailable(name: str, mode: str) -> str | None:
     return None
 
 
+def autocast_dtype(mode: str) -> torch.dtype:
+    """The low-precision dtype a mode's step runs in (autocast's, and the lean weights')."""
+    return torch.float16 if mode.endswith("-float16") else torch.bfloat16
+
+
 def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *, fake: bool,
               lr: float = 1e-5) -> Callable[[], Setup]:
     """The training step of bench model ``name`` in ``mode``, as :func:`~amp_backends.memory.fake.measure`
@@ -102,7 +107,7 @@ def setup_for(be: Backend, name: str, size: str, batch: int | None, mode: str, *
         torch.manual_seed(0)
         model = on_meta_then_fake(lambda: spec.build(size)) if fake else spec.build(size).to(device)
         x, y = spec.batch(size, device, batch)
-        dtype = torch.float16 if mode.endswith("-float16") else torch.bfloat16
+        dtype = autocast_dtype(mode)
         through_torch = mode.startswith("torch-")  # raw torch.autocast and torch.amp.GradScaler
         master: Callable[[], list[torch.Tensor]] = list
         if mode == "lean-bf16-sr":
@@ -238,13 +243,27 @@ def loss_after(be: Backend, name: str, mode: str, steps: int, lr: float = 1e-3) 
     ledger = Ledger()  # its phases only: nothing is counted outside its dispatch mode
     for _ in range(steps):
         setup.step(ledger)
-    with torch.no_grad(), be.autocast(torch.bfloat16, enabled=mode != "fp32"):
+    # in the dtype the mode trains in (the amp-float16 row's loss under float16 autocast)
+    with torch.no_grad(), be.autocast(autocast_dtype(mode), enabled=mode not in ("fp32", "tf32")):
         x, y = setup.inputs
         return float(spec.loss_of(setup.model, x, y).float())
 
 
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.0f}"
+def _mib(n: int | None, places: int = 0) -> str:
+    return "-" if n is None else f"{n / 2**20:,.{places}f}"
+
+
+def _saving(r: dict[str, Any]) -> str:
+    """The row's peak against fp32's, in percent ("0.0%" for the same peak, not "-0.0%")."""
+    if r["mode"] == "fp32" or r.get("saving_vs_fp32") is None:
+        return ""
+    change = -100 * r["saving_vs_fp32"]
+    return "0.0%" if round(change, 1) == 0 else f"{change:+.1f}%"
+
+
+#: The table's columns (an unavailable row fills them all too).
+_COLUMNS = ["model", "mode", "peak MiB", "vs fp32", "params", "grads", "optimizer", "masters", "weight copies",
+            "activations (by dtype)", "other; loss"]
 
 
 def render_memory(result: dict[str, Any]) -> str:
@@ -253,26 +272,32 @@ def render_memory(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         m = r["memory"]
         if m is None:
-            rows.append([r["model"], r["mode"], *[""] * 9, f"n/a: {r['unavailable']}"])
+            rows.append([r["model"], r["mode"], *[""] * (len(_COLUMNS) - 3), f"n/a: {r['unavailable']}"])
             continue
-        low = ", ".join(f"{d} {_mib(b)}" for d, b in sorted(m["activations_by_dtype"].items()))
+        peak = r.get("peak_bytes", m["peak"])
+        # whole MiB would round a small step's parts to 0, 1, 2
+        mib = functools.partial(_mib, places=1 if peak < 2**30 else 0)
+        low = ", ".join(f"{d} {mib(b)}" for d, b in sorted(m["activations_by_dtype"].items()))
         loss = r.get("loss")
-        saving = "" if r["mode"] == "fp32" else f"{-100 * r['saving_vs_fp32']:+.1f}%"
-        rows.append([r["model"], r["mode"], _mib(r.get("peak_bytes", m["peak"])), saving,
-                     _mib(m["parameters"]), _mib(m["gradients"]), _mib(m["optimizer"]), _mib(m["master"]),
-                     _mib(m["weight_copies"]), f"{_mib(m['activations'])} ({low})" if low else _mib(m["activations"]),
-                     _mib(m["other"]) + (f"; loss {loss:.4g}" if loss is not None else "")])
-    table = render_table(["model", "mode", "peak MiB", "vs fp32", "params", "grads", "optimizer", "masters",
-                          "weight copies", "activations (by dtype)", "other; loss"], rows, markdown=True,
-                         right=(2, 3, 4, 5, 6, 7, 8))
+        rows.append([r["model"], r["mode"], mib(peak), _saving(r),
+                     mib(m["parameters"]), mib(m["gradients"]), mib(m["optimizer"]), mib(m["master"]),
+                     mib(m["weight_copies"]), f"{mib(m['activations'])} ({low})" if low else mib(m["activations"]),
+                     mib(m["other"]) + (f"; loss {loss:.4g}" if loss is not None else "")])
+    table = render_table(_COLUMNS, rows, markdown=True, right=(2, 3, 4, 5, 6, 7, 8))
     kinds = ", ".join(dict.fromkeys(r["peak_kind"] for r in result["rows"] if r.get("peak_kind"))) or "-"
     sizes = ", ".join(dict.fromkeys(f"{r['model']} batch {r['batch']} x {r['input']}" for r in result["rows"]))
     loss = (f"loss after {result['loss_steps']} AdamW steps (lr {result['loss_lr']:g}) at small size on the bench's data"
             if result["loss_steps"] else "no loss measured (--loss-steps 0)")
+    allocator = any("allocator_peak" in (r["memory"] or {}) for r in result["rows"])
+    kernels = ("activations as this device's kernels keep them; the peak is the allocator's" if allocator else
+               "activations as this machine's kernels keep them (a CPU's attention keeps its probabilities and its "
+               "dropout a noise tensor, which a GPU's fused kernels do not); on a GPU, budget with the allocator's "
+               "figure (bench --memory there)")
     return "\n".join([
         f"amp-backends bench --memory: backend {result['backend']}, torch {result['torch']}, {result['date']}",
         f"{result['size']} size: {sizes}; counted: {result['counted']}; MiB at the step's peak, by part; "
         f"peak: {kinds}",
+        kernels,
         f"{loss}",
         "",
         table,

@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="list the models and their parameter counts, then exit")
     bench.add_argument("--rounds", type=int, default=None,
                        help="timed rounds per mode (default: 5 at small size, 20 at full size)")
-    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--warmup", type=int, default=None, help="warm-up steps before the timed rounds (default 2)")
     bench.add_argument("--steps-per-round", type=int, default=None, dest="steps",
                        help="steps each round times (default: one on a CPU, enough for 0.2 s on an accelerator, 3 to 16)")
     bench.add_argument("--scale", type=float, default=1.0, help="batch-size factor, in (0, 8]")
@@ -185,8 +185,17 @@ def _run(args: argparse.Namespace) -> int:
 
             print(list_models(as_json=args.json))
             return 0
-        if (args.rounds is not None and args.rounds < 1) or args.warmup < 0:
-            raise CLIError(f"--rounds must be >= 1 and --warmup >= 0, got {args.rounds} and {args.warmup}")
+        if args.memory:  # the timing options would be accepted and ignored
+            timing = [name for name, value in (("--rounds", args.rounds), ("--warmup", args.warmup),
+                                               ("--steps-per-round", args.steps), ("--plot", args.plot))
+                      if value is not None]
+            if timing:
+                named = ", ".join(timing)
+                raise CLIError(f"{named} {'goes' if len(timing) == 1 else 'go'} with the time bench, not --memory, which "
+                               f"times nothing and draws no plot: drop {named}, or run amp-backends bench without --memory")
+        warmup = 2 if args.warmup is None else args.warmup
+        if (args.rounds is not None and args.rounds < 1) or warmup < 0:
+            raise CLIError(f"--rounds must be >= 1 and --warmup >= 0, got {args.rounds} and {warmup}")
         if args.steps is not None and not 1 <= args.steps <= 1000:
             raise CLIError(f"--steps-per-round must be in [1, 1000], got {args.steps}")
         if not (math.isfinite(args.scale) and 0 < args.scale <= 8):
@@ -205,7 +214,7 @@ def _run(args: argparse.Namespace) -> int:
             return memory_main(args.backend, list(dict.fromkeys(models)), size, args.scale, loss_steps, args.json)
         from .bench import main as bench_main
 
-        return bench_main(args.backend, list(dict.fromkeys(models)), args.size, args.rounds, args.warmup, args.scale,
+        return bench_main(args.backend, list(dict.fromkeys(models)), args.size, args.rounds, warmup, args.scale,
                           args.json, args.plot, args.steps)
     if args.command == "check":
         from .check import main as check_main

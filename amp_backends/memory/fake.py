@@ -2,7 +2,11 @@
 and buffers made again under ``FakeTensorMode`` (tied weights stay one object), the batch turned fake,
 and the step run under the :class:`~.ledger.Ledger`. Fake tensors keep the device type they would have
 (``cpu``), so autocast, its weight-cast cache and the CPU kernels' choices (flash attention, oneDNN)
-are those of a real CPU step; the figures are exact for what the dispatcher sees.
+are those of a real CPU step. The figures are a real step's where torch's fake kernel returns what the
+CPU kernel returns, which is not everywhere: :data:`.ledger.FAKE_DIFFERS` lists the ops known to differ by more
+than a few bytes, and the ledger warns, once an op, when a count on fake tensors meets one (measure such
+a model with real tensors: ``measure(make, fake=False)``). Smaller known differences: under bfloat16 the
+norms' saved statistics (a few bytes a channel or row) and ``_embedding_bag``'s offsets (8 bytes).
 
 The meta device alone would not do: autocast does nothing on meta tensors and attention takes its
 math path there (the full attention matrix), so a meta step's figures are not a CPU step's.
@@ -17,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .ledger import Ledger, MemoryReport
+from .ledger import FAKE_DIFFERS, Ledger, MemoryReport
 
-__all__ = ["Setup", "measure", "on_meta_then_fake"]
+__all__ = ["FAKE_DIFFERS", "Setup", "measure", "on_meta_then_fake"]
 
 
 @dataclass

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.weak import WeakIdRef
 
 from ..torch_private import flatten_dense_tensors, foreach_copy_, foreach_mul_, foreach_norm, unflatten_dense_tensors
+from .ledger import gradient_copies
 
 #: The parameter dtypes that get a float32 master.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -67,7 +68,7 @@ def inverse(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def float32_grads(grads: list[torch.Tensor], inverse: torch.Tensor | None) -> list[torch.Tensor]:
     """The gradients in float32, one buffer per device, multiplied by ``inverse`` (1/scale) in float32
-    where given."""
+    where given (a memory ledger counting counts them as gradients)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(grads)
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(grads):
@@ -76,10 +77,15 @@ def float32_grads(grads: list[torch.Tensor], inverse: torch.Tensor | None) -> li
         same = [grads[i] for i in index]
         if any(g.is_sparse for g in same):
             views = [g.float() for g in same]
+            gradient_copies(views)
             if inverse is not None:
                 views = [v.mul_(inverse.to(device)) for v in views]
         else:  # one concatenation and one cast (a copy across dtypes per tensor is a launch per tensor)
-            flat = flatten_dense_tensors(same).to(torch.float32)
+            joined = flatten_dense_tensors(same)
+            gradient_copies([joined])  # (both are the gradients again, the float32 one for the whole step)
+            flat = joined.to(torch.float32)
+            del joined
+            gradient_copies([flat])
             if inverse is not None:
                 flat.mul_(inverse.to(device))
             views = list(unflatten_dense_tensors(flat, same))  # one call for every view
