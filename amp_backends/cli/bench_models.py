@@ -316,7 +316,7 @@ def _without_cache(spec: ModelSpec) -> ModelSpec:
     """``spec`` with its Transformers model built with ``use_cache=False`` (see the module docstring)."""
     def build(size: str) -> nn.Module:
         model = spec.build(size)
-        model.config.use_cache = False  # the forward reads it when not passed one
+        model.config.use_cache = False  # type: ignore[union-attr]  # a Transformers model's config; the forward reads it when not passed one
         return model
 
     return dataclasses.replace(spec, build=build, describe=f"{spec.describe}, use_cache=False")

@@ -84,11 +84,11 @@ def _grad_dtype(args: tuple[Any, ...], outs: list[torch.Tensor]) -> str | None:
 
 
 def _known() -> dict[Any, Differs]:
-    table = {"mkldnn_rnn_layer": _workspace, "native_group_norm_backward": _grad_dtype,
+    table: dict[str, Differs] = {"mkldnn_rnn_layer": _workspace, "native_group_norm_backward": _grad_dtype,
              **dict.fromkeys(("mse_loss", "smooth_l1_loss", "binary_cross_entropy", "soft_margin_loss"), _loss_buffer),
              **dict.fromkeys(("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
                               "native_batch_norm_backward", "batch_norm_backward"), _layout)}
-    found = {}
+    found: dict[Any, Differs] = {}
     for name, check in table.items():
         packet = getattr(torch.ops.aten, name, None)  # (an op this torch lacks has nothing to warn of)
         if packet is not None:
@@ -200,7 +200,8 @@ class Ledger(TorchDispatchMode):
         #: the op that ran last, its outputs' records, and whether they were told of as kept
         self._last: tuple[Any, list[_Record], bool] = (None, [], False)
         #: the ops whose fake kernel keeps other bytes than the CPU kernel, and those warned of already
-        self._differs, self._warned = FAKE_DIFFERS, set()
+        self._differs = FAKE_DIFFERS
+        self._warned: set[Any] = set()
 
     def __enter__(self) -> Ledger:
         _COUNTING.append(self)
