@@ -9,7 +9,10 @@ tensor where it is frozen), and the backward runs the up-projection again from i
 more (a tenth of the layer's matmul work in BERT and GPT-2), for 48 MiB a layer of BERT-base or GPT-2 small
 at 8,192 tokens in bfloat16 (576 MiB over twelve layers). With :mod:`.activation_outputs` also on, the
 activation's output (the down-projection's saved input) is remade from the same recomputation, made
-once a backward and shared (:mod:`.substitutes`): the MLP then keeps nothing of its inner width.
+once a backward and shared (:mod:`.substitutes`): the MLP then keeps nothing of its inner width. In a
+stack of MLPs (``Linear, GELU, Linear, GELU, ...``) an up-projection's input is then itself remade: the
+narrower of it and the output is kept, so that remakings chain within one MLP (chained back through the
+stack, the first backward node would remake all of it at once, each remade tensor alive until its unpack).
 
 Exact: the recomputation is the layer's own op (``F.linear``, or ``addmm`` for Transformers' ``Conv1D``)
 on the same input, with the weight and bias autocast used (cast again from the parameters where autocast
@@ -97,17 +100,25 @@ class _UpProjection:
 
 class _Made:
     """An up-projection's output, weakly, with the layer, its input and both versions. The input is held
-    weakly too (alive where the layer's save for its weight's gradient keeps it), but strongly where it is
-    itself tagged (a cast saved as another copy, an activation's output): then nothing else keeps it, and
-    the tag this output gets is chained through it (until the activation reads the output, or it dies)."""
+    (:attr:`held`) from the layer's forward until an activation reads the output, the output dies or the
+    running owner block's forward ends, whichever comes first. Held whether or not anything else keeps it:
+    what lives must not depend on the hooks beneath, nor on whether the owner's hooks run (a checkpoint
+    keeps the layer's save of it in its recomputation, not in the forward; torch's selective checkpoint
+    of a block's forward recomputes it without the block's hooks), else the two would differ: another
+    tensor substituted, or another lever's copy shared in one and made again in the other."""
 
     __slots__ = ("held", "kind", "module", "out", "version", "x", "x_version")
 
     def __init__(self, out: torch.Tensor, module: nn.Module, kind: str, x: torch.Tensor) -> None:
         self.out = WeakIdRef(out, functools.partial(_forget, id(out)))
         self.x = WeakIdRef(x)
-        self.held = x if substitutes.tagged(x) else None
+        self.held: torch.Tensor | None = x
+        substitutes.at_block_end(self.release)
         self.module, self.kind, self.version, self.x_version = module, kind, out._version, x._version
+
+    def release(self) -> None:
+        """Hold the input no longer (the owner block's forward ended, the output was read or died)."""
+        self.held = None
 
 
 #: id of a live up-projection output -> how it was made
@@ -115,7 +126,9 @@ _MADE: dict[int, _Made] = {}
 
 
 def _forget(key: int, _ref: Any) -> None:
-    _MADE.pop(key, None)
+    made = _MADE.pop(key, None)
+    if made is not None:
+        made.release()
 
 
 def _cast(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -158,8 +171,18 @@ def _tag(module: nn.Module, args: tuple[Any, ...]) -> None:
         substitutes.stand_aside(module, _tag, "activation_inputs")
         return
     base = h if h._base is None else h._base
-    _MADE.pop(id(h), None)  # read: what it held is the tag's to hold now
-    substitutes.substitute(base, x, _UpProjection(made.module, made.kind, h.dtype), "an up-projection's input")
+    _MADE.pop(id(h), None)
+    made.release()  # read: what the tag needs, the tag holds
+    chain = True
+    if substitutes.tagged(x):  # the layer's input is itself remade (an activation's output, in a stack of MLPs)
+        # Chained through it, the tags would reach back to the stack's input, and the first backward node
+        # would remake the whole stack, each remade tensor alive until its own unpack. Kept instead: the
+        # input itself, not its source, where it is the narrower; else the output, as it is.
+        x_base = x if x._base is None else x._base
+        if x_base.numel() >= base.numel():
+            return
+        chain = False
+    substitutes.substitute(base, x, _UpProjection(made.module, made.kind, h.dtype), "an up-projection's input", chain)
     substitutes.open_scope(base)  # until the activation saves it
 
 

@@ -23,8 +23,9 @@ for noise), and the hooks' host time: off by default.
 Composes with the hooks in force (the memory ledger, torch's checkpoint, ``save_on_cpu``): they are
 handed the packed bits. As with any hook that copies what it saves, autograd no longer sees a later
 in-place edit of the mask (the backward uses the mask as it was saved). Nothing is done under
-``torch.compile``, without grad, where saved-tensor hooks are disabled (``torch.func``) or on a torch
-that cannot tell which hooks are in force (2.4: :func:`.substitutes.available`). A ``KeyboardInterrupt``
+``torch.compile``, without grad, where saved-tensor hooks are disabled (``torch.func``), on a torch
+that cannot tell which hooks are in force (2.4: :func:`.substitutes.available`), nor for a nested
+tensor or a tensor subclass (a DTensor), whose mask is of its kind and cannot be packed as bits. A ``KeyboardInterrupt``
 between the pre-hook and the save leaves the pair in force; the next save closes it (passing on, or
 packing exactly what qualifies), and so do the next dropout's forward and :meth:`DropoutMasks.remove`;
 but inside another's ``saved_tensors_hooks`` block (``save_on_cpu``, a checkpoint) that block's exit then
@@ -53,6 +54,13 @@ def _fake(t: torch.Tensor) -> bool:
     """Whether ``t`` is a fake tensor (the memory ledger's: no values, a fake mode's own)."""
     fake = torch_private.FakeTensor
     return fake is not None and isinstance(t, fake)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain dense strided tensor (or a fake one): the bits are packed by viewing it
+    flat, which a nested tensor refuses, and by ops mixing it with plain tensors, which a subclass (a
+    DTensor) refuses; those are saved as they are."""
+    return not t.is_nested and t.layout == torch.strided and (type(t) is torch.Tensor or _fake(t))
 
 
 def _shifts(like: torch.Tensor) -> torch.Tensor:
@@ -111,7 +119,7 @@ class _Scope(substitutes.HooksOver):
 
     def pack(self, t: torch.Tensor) -> Any:
         bits = value = None
-        if self.done or t.requires_grad or not t.is_contiguous() or t.numel() == 0:
+        if self.done or t.requires_grad or not _dense(t) or not t.is_contiguous() or t.numel() == 0:
             pass
         elif t.dtype == torch.bool:
             bits = pack_bits(t)
@@ -156,8 +164,8 @@ def _enter(module: nn.Dropout, args: tuple[Any, ...]) -> None:
         return
     _leave(module, args, None)  # a scope a KeyboardInterrupt left open
     if (not module.training or not 0.0 < module.p < 1.0 or len(args) != 1 or not isinstance(args[0], torch.Tensor)
-            or not args[0].requires_grad or not substitutes.can_open()):
-        return
+            or not args[0].requires_grad or not _dense(args[0]) or not substitutes.can_open()):
+        return  # (a nested tensor or a subclass: its mask is of its kind, saved as it is, under no hooks of ours)
     x = args[0]
     checkable = not _fake(x) or (type(module).forward is nn.Dropout.forward and "forward" not in vars(module))
     noise = (x.dtype, x.shape, x.device) if x.device.type == "cpu" and checkable else None

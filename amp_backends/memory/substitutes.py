@@ -11,7 +11,8 @@ the saves from a tag to its consumer's, and the one save after: each costs a Pyt
 and one at the backward. An op that saves a tagged tensor twice (``h * h``) has both saves substituted;
 a second consumer that saves it after other saves were made keeps the tensor itself, and then the first
 substitution saves nothing (a scope held open to the block's end would pass every later save through
-Python).
+Python). Which saves are substituted follows from the saves alone, the same in a forward and in a
+non-reentrant checkpoint's recomputation of it (which matches the saves by their order).
 
 Composes with the hooks already in force (torch's checkpoint, ``save_on_cpu``, the memory ledger): what
 it does not replace goes to them as before, and for a tagged tensor they are handed the source instead.
@@ -40,7 +41,7 @@ from .. import torch_private
 from ..errors import AmpBackendsError
 from .hooks_around import _ASIDE, foreign_forward, leaves_alone, others_hooked, stand_aside
 
-__all__ = ["Hooked", "HooksOver", "SubstituteSourceEdited", "available", "can_open", "closing", "foreign_forward",
+__all__ = ["Hooked", "HooksOver", "SubstituteSourceEdited", "at_block_end", "available", "can_open", "closing", "foreign_forward",
            "leaves_alone", "open_scope", "others_hooked", "outermost", "owner_name", "owners", "stand_aside", "substitute", "tagged"]
 
 
@@ -62,8 +63,7 @@ class _Remade:
     def __init__(self, make: Callable[[torch.Tensor], torch.Tensor], inner: _Remade | None = None) -> None:
         self.make, self.inner = make, inner
         self.value: torch.Tensor | None = None
-        #: uses expected and not yet made: a save packed through it, or a remaking chained on it (which,
-        #: made once, uses it once)
+        #: uses expected and not yet made: a save packed through it, or a remaking chained on it (made once, it uses it once)
         self.waiting = 0
 
     def expect(self) -> None:
@@ -82,8 +82,7 @@ class _Remade:
 
 
 class _Chain:
-    """``make`` applied to what ``first`` remakes (a tagged tensor), or to the view of it ``view`` was: the
-    remaking of a tagged tensor whose source is itself tagged."""
+    """``make`` of what ``first`` remakes (or of the view of it ``view`` was): a tag's remaking through its source's tag."""
 
     __slots__ = ("first", "geometry", "make")
 
@@ -107,13 +106,13 @@ class _Tag:
     __slots__ = ("remade", "source", "source_version", "tensor", "version", "what")
 
     def __init__(self, tensor: torch.Tensor, source: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor],
-                 what: str) -> None:
+                 what: str, chain: bool) -> None:
         self.tensor = WeakIdRef(tensor, functools.partial(_forget, id(tensor)))
         self.version, self.what = tensor._version, what
         self.remade: _Remade
         self.source: torch.Tensor
         base = source if source._base is None else source._base
-        inner = _TAGS.get(id(base))
+        inner = _TAGS.get(id(base)) if chain else None
         if inner is not None and inner.live(base):  # the source is remade from another: store that one
             self.remade = _Remade(_Chain(inner.remade, make, source), inner.remade)
             self.source, self.what = inner.source, inner.what
@@ -136,14 +135,15 @@ def _forget(key: int, _ref: Any) -> None:
 
 
 def substitute(tensor: torch.Tensor, source: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor],
-               what: str) -> None:
+               what: str, chain: bool = True) -> None:
     """Let ``tensor`` (not a view) be saved as ``source`` and remade by ``make(source)`` while a scope
     runs; ``what`` names the source in errors.
     The tag holds ``source`` as long as ``tensor`` lives, and ends if either is edited in place. Where
-    ``source`` is itself tagged (the output of a layer whose input remakes it), ``tensor`` is saved as that
-    tag's source and remade through both, the inner remaking shared with the source's own saves (one
-    remaking a backward, kept from the first of them to unpack to the last)."""
-    _TAGS[id(tensor)] = _Tag(tensor, source, make, what)
+    ``source`` is itself tagged (the output of a layer whose input remakes it) and ``chain``, ``tensor`` is
+    saved as that tag's source and remade through both, the inner remaking shared with the source's own
+    saves (one remaking a backward, kept from the first of them to unpack to the last); without
+    ``chain``, as ``source`` itself."""
+    _TAGS[id(tensor)] = _Tag(tensor, source, make, what, chain)
 
 
 def tagged(tensor: torch.Tensor) -> bool:
@@ -154,8 +154,7 @@ def tagged(tensor: torch.Tensor) -> bool:
 
 
 class _Stored:
-    """What is stored in place of a tagged tensor (or a view of it): the source, packed by the hooks in
-    force before, and where the view lies in the tensor."""
+    """What is stored in place of a tagged tensor (or a view of it): the source, packed by the hooks beneath, and the view's place."""
 
     __slots__ = ("base_layout", "make", "offset", "packed", "scope", "size", "source", "source_layout", "stride",
                  "tensor", "tensor_version", "version", "what")
@@ -170,10 +169,9 @@ class _Stored:
         self.base_layout = (base.size(), base.stride())
 
     def remake(self, source: torch.Tensor) -> torch.Tensor:
-        """The saved view, remade from ``source``. Hooks in force before may hand the source back in another
-        memory layout than it had (``save_on_cpu`` stores it contiguous): it is put back in its own first,
-        so that the remaking runs the same kernel on the same layout (bitwise what was saved, and in the
-        tagged tensor's layout, which the view's strides are of)."""
+        """The saved view, remade from ``source``. Hooks beneath may hand the source back in another layout
+        (``save_on_cpu`` stores it contiguous): it is put back in its own first, so that the remaking runs the
+        same kernel on the same layout (bitwise what was saved, in the tagged tensor's layout, the view's)."""
         source = _laid_out(source, self.source_layout)
         if torch.is_autocast_enabled(source.device.type):  # a backward run inside autocast: not for this
             with torch.autocast(source.device.type, enabled=False):
@@ -272,18 +270,21 @@ class _Passed:
 
 
 class _Scope(HooksOver):
-    """The pack and unpack hooks of one scope, over the hooks in force when it began (or none).
-
-    It closes itself at the first save of another tensor once each tag made for it has been substituted
-    (:attr:`pending` empty: the consumer saved it), so that the rest of the block's saves cost no Python
-    call; else at its block's end."""
+    """The pack and unpack hooks of one scope, over the hooks in force when it began (or none). It is
+    done (:meth:`_close_after_consumer`) at the first save of another tensor once each tag made for it
+    was substituted (:attr:`pending` empty), so that the rest of the block's saves cost no Python call."""
 
     def __init__(self, outer: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
         super().__init__(outer)
         #: ids of the tagged tensors made for this scope and not yet saved
         self.pending: set[int] = set()
+        #: past its consumer's save: every later save passed on, whether or not the hooks left force
+        self.done = False
+        self.task = _graph_task()  # the graph task it was entered in (-1: none)
 
     def pack(self, t: torch.Tensor) -> Any:
+        if self.done or (t.is_nested and t.layout == torch.strided):  # (torch's first nested layout: no strides)
+            return self.pass_on(t)
         base = t if t._base is None else t._base
         tag = _TAGS.get(id(base))
         if (tag is None or tag.tensor() is not base or base._version != tag.version or t.dtype != base.dtype
@@ -293,9 +294,8 @@ class _Scope(HooksOver):
             return self.pass_on(t)
         source = tag.source
         if self.outer_pack is not None and not (t.is_contiguous() and source.is_contiguous()):
-            # Hooks in force before may store a tensor in another layout (save_on_cpu stores it contiguous)
-            # and the op's backward then runs on that layout: a tensor not contiguous is handed to them as
-            # it is, so that its backward is the one it would have had (a remade copy would keep its strides).
+            # Hooks in force before may store a tensor in another layout (save_on_cpu stores it contiguous), and
+            # the op's backward runs on that layout: a tensor not contiguous is theirs (a remade copy keeps its strides).
             return self.outer_pack(t)
         stored = _Stored(self, source if self.outer_pack is None else self.outer_pack(source), tag, t, base)
         tag.remade.expect()
@@ -304,10 +304,12 @@ class _Scope(HooksOver):
 
     def _close_after_consumer(self) -> None:
         """Every tag made for this scope saved, and now a save of another tensor: the consumer's op is past
-        saving its tagged input (an op that saves it twice, ``h * h``, saves it back to back), so the
-        block's later saves go to the hooks below. Not from inside a backward run during the forward (the
-        engine restores the hooks after its node)."""
-        if torch_private.current_graph_task_id is not None and torch_private.current_graph_task_id() == -1:
+        saving its tagged input (an op that saves it twice, ``h * h``, saves it back to back), so the block's
+        later saves go to the hooks below. Done by the saves alone, the same in a forward and in a checkpoint's
+        recomputation (which matches saves by their order); out of force only in the graph task it was entered
+        in (from a backward run during the forward, the engine restores the hooks after its node)."""
+        self.done = True
+        if self.task is not None and _graph_task() == self.task:
             self.close()
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -326,12 +328,18 @@ class _Scope(HooksOver):
         return packed.remake(source)
 
 
+def _graph_task() -> int | None:
+    """The graph task running on this thread (-1 outside any backward), None where torch cannot tell."""
+    task = torch_private.current_graph_task_id
+    return task() if task is not None else None
+
+
 _LOCAL = threading.local()
 
 
-def _scopes() -> list[tuple[int, _Scope | None, Any]]:
-    """This thread's running owners: a module's id, the scope opened inside it (or None yet),
-    and the saved-tensor pack hook in force when it began."""
+def _scopes() -> list[list[Any]]:
+    """This thread's running owners, each ``[a module's id, the scope opened inside it (or None yet), the
+    saved-tensor pack hook in force when it began, what to call when it ends]``."""
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []
@@ -366,11 +374,22 @@ def _unwind(key: int | None) -> None:
     if key is not None and all(entry[0] != key for entry in stack):
         return
     while stack:
-        entry, scope, _ = stack.pop()
+        entry, scope, _, ends = stack.pop()
         if scope is not None:
             scope.close()
+        for end in ends:
+            end()
         if entry == key:
             return
+
+
+def at_block_end(end: Callable[[], None]) -> bool:
+    """Call ``end`` when the innermost running owner's forward ends (also where it raised); False, and
+    nothing done, where no owner runs."""
+    stack = _scopes()
+    if stack:
+        stack[-1][3].append(end)
+    return bool(stack)
 
 
 def _running(module: nn.Module, args: Any) -> None:
@@ -379,7 +398,7 @@ def _running(module: nn.Module, args: Any) -> None:
         stack = _scopes()
         if stack:  # (else nothing to unwind: the usual case, an owner running outside any other)
             _unwind(id(module))  # its entry still there: its last forward was interrupted
-        stack.append((id(module), None, _top_pack()))
+        stack.append([id(module), None, _top_pack(), []])
 
 
 def open_scope(tagged: torch.Tensor) -> None:
@@ -393,13 +412,15 @@ def open_scope(tagged: torch.Tensor) -> None:
     if not stack:
         return
     scope = stack[-1][1]
-    if scope is None or scope.closed:
+    if scope is not None and scope.done and not scope.closed:
+        scope.done = False  # done where it could not be taken out of force: opened again, as a new one would be
+    elif scope is None or scope.closed:
         if _top_pack() is not stack[-1][2]:
             return
         scope = _new_scope()
         if scope is None:
             return
-        stack[-1] = (stack[-1][0], scope, stack[-1][2])
+        stack[-1][1] = scope
     scope.pending.add(id(tagged))
 
 
@@ -409,9 +430,11 @@ def _leave(module: nn.Module, args: Any, output: Any) -> None:
         return
     stack = _scopes()
     if stack and stack[-1][0] == id(module):  # else nothing was pushed for it (or its pre-hook never ran)
-        scope = stack.pop()[1]
+        _, scope, _, ends = stack.pop()
         if scope is not None:
             scope.exit()
+        for end in ends:
+            end()
 
 
 def owner_name(modules: dict[str, nn.Module], layer: str) -> str:
