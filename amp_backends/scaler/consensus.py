@@ -28,13 +28,24 @@ def check_group_ready(process_group: Any) -> None:
                            "scaler with process_group=None in a single process (nothing was unscaled)")
 
 
-def agree(found: dict[torch.device, torch.Tensor], process_group: Any) -> None:
-    """MAX-reduce each device's found_inf over ``process_group`` (ranks holding different gradients)."""
+def agree(found: dict[torch.device, torch.Tensor], process_group: Any, checked: bool = True) -> None:
+    """MAX-reduce each device's found_inf over ``process_group`` (ranks holding different gradients).
+    ``checked``: whether this rank had gradients to check. A rank without any learns, in the same
+    all-reduce, whether any rank had some; where none had, every rank raises torch's assertion (a loss
+    that reaches no parameter), as torch's scaler raises it in one process. Ranks with gradients read
+    nothing on the host."""
     import torch.distributed as dist
 
     group = named_group(process_group)
-    for tensor in found.values():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    for i, tensor in enumerate(found.values()):
+        if i:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+            continue
+        both = torch.stack([tensor.reshape(()).float(), torch.full((), float(checked), device=tensor.device)])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        tensor.copy_(both[0].reshape(tensor.shape))
+        if not checked and not bool(both[1].item()):
+            raise AssertionError("No inf checks were recorded for this optimizer.")
 
 
 def _status_group(process_group: Any) -> Any:

@@ -45,12 +45,13 @@ class GradientOp:
 
     def run(self, optimizer: torch.optim.Optimizer, scale: torch.Tensor | None, found_inf: torch.Tensor,
             allow_fp16: bool, norm_sq: torch.Tensor | None = None, inv_scale_finite: bool = False, *,
-            inv_scale: torch.Tensor | None = None,
-            agree: bool = True) -> tuple[dict[torch.device, torch.Tensor], FlatGrads | None]:
+            inv_scale: torch.Tensor | None = None, agree: bool = True,
+            require: bool = True) -> tuple[dict[torch.device, torch.Tensor], FlatGrads | None]:
         """Unscale ``optimizer``'s gradients by 1/``scale`` and check them (``scale`` None: check only),
         adding the fp32 sum of squares to ``norm_sq`` when given. ``inv_scale_finite``: the caller knows
         1/scale is finite; ``inv_scale``: 1/scale computed by the caller (torch's ``_unscale_grads_``);
-        ``agree=False``: this rank's found_inf only, the caller agrees once (:meth:`agree`).
+        ``agree=False``: this rank's found_inf only, the caller agrees once (:meth:`agree`);
+        ``require=False``: no rank having a gradient is no error (``check_finite``: nothing to check).
         Returns found_inf per device and the arena whose buffers the op ran on (None:
         a walk found the gradients)."""
         consensus.check_group_ready(self.process_group)
@@ -60,14 +61,15 @@ class GradientOp:
             inv_scale = self.inv_scale(scale)
         found = executor.run_on_groups_(self.device, kernel, groups, found_inf, inv_scale, norm_sq,
                                         inv_scale_finite=inv_scale_finite)
-        return (self.agree(found, found_inf) if agree else found), (arena if groups else None)
+        return (self.agree(found, found_inf, require) if agree else found), (arena if groups else None)
 
-    def agree(self, found: dict[torch.device, torch.Tensor],
-              found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    def agree(self, found: dict[torch.device, torch.Tensor], found_inf: torch.Tensor,
+              require: bool = True) -> dict[torch.device, torch.Tensor]:
         """``found`` agreed across the ranks of the process group (one collective, made by every rank
         whatever its gradients), or as it is in one process. A rank with no gradient (an FSDP shard or
         ZeRO partition empty this step, an expert no token reached) joins with ``found_inf`` clear, as
-        torch's ``ShardedGradScaler`` does: the others wait in that all-reduce."""
+        torch's ``ShardedGradScaler`` does: the others wait in that all-reduce. Where no rank had a
+        gradient, every rank raises torch's "No inf checks were recorded" (:func:`consensus.agree`)."""
         if self.device.global_overflow_status:
             if not found and consensus.ranks_agree_on_status(self.process_group):
                 # no gradient on this rank: it reads its status and still takes part in the agreement the
@@ -77,7 +79,8 @@ class GradientOp:
             if found:
                 self.status_overflow = consensus.share_status(found, self.status_overflow, self.process_group)
         elif self.process_group is not None:
-            if not found:
+            checked = bool(found)
+            if not checked:
                 found = {found_inf.device: found_inf}
-            consensus.agree(found, self.process_group)
+            consensus.agree(found, self.process_group, checked or not require)
         return found

@@ -190,8 +190,11 @@ def check_finite_verdict(scaler: ScalerState, optimizer: torch.optim.Optimizer, 
         return Verdict(skipped=False, counted=False), kwargs
     # a rank with no gradient still joins the agreement the other ranks wait in
     where = first.device if first is not None else scaler.backend.device()
-    found, _ = scaler._grads.run(optimizer, None, torch.zeros((), dtype=torch.float32, device=where), True)
-    return Verdict(skipped=bool(sum_on(found, where).item()), counted=first is not None), kwargs
+    found, _ = scaler._grads.run(optimizer, None, torch.zeros((), dtype=torch.float32, device=where), True,
+                                 require=False)
+    skipped = bool(sum_on(found, where).item())
+    # another rank's inf skips this rank's step too: counted as a skip here as there
+    return Verdict(skipped=skipped, counted=first is not None or skipped), kwargs
 
 
 def _ready_to_step(scaler: ScalerState, optimizer: torch.optim.Optimizer,
@@ -219,12 +222,15 @@ def plain_verdict(scaler: ScalerState, optimizer: torch.optim.Optimizer, kwargs:
 def from_host_verdict(scaler: ScalerState, optimizer: torch.optim.Optimizer, kwargs: Kwargs) -> Verdict:
     """FROM_HOST: checked first and, where this rank found an inf/NaN, skipped with the gradients
     untouched (as torch's fused protocol leaves a skipped step), else unscaled here for the kernel to
-    step on. Ranks agree once, after both (another rank's path may be the fused one, which agrees once)."""
+    step on. Ranks agree once, after both (another rank's path may be the fused one, which agrees once):
+    a rank whose own check was clean has unscaled its gradients when another rank's inf skips the step,
+    as torch's unfused scaler leaves them."""
     scale, state = _ready_to_step(scaler, optimizer, kwargs)
     if state.stage is OptState.READY:
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         found, _ = scaler._grads.run(optimizer, None, found_inf, True, agree=False)
-        if found and not found_any(found):
+        # a device-wide status an earlier optimizer of this iteration read (and reset) skips this one too
+        if found and not found_any(found) and not scaler._grads.status_overflow:
             found, _ = scaler._grads.run(optimizer, scale, found_inf, True, inv_scale_finite=inv_scale_finite(scaler),
                                          agree=False)
             state.unscaled(found)

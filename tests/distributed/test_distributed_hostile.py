@@ -544,3 +544,106 @@ def test_count_collectives_reads_what_each_rank_hands_over(tmp_path):
             assert got["direct"] == per_rank[rank], (name, rank)
             assert got["counted"] == got["direct"], (name, rank, got["records"])
     assert ranks[0]["barrier"]["records"] == ranks[1]["barrier"]["records"] == []
+
+
+def _inf_where_another_rank_has_none(rank: int, world: int) -> dict:
+    """check_finite over the world: rank 0's gradient inf, rank 1 without ("none") or with a zero
+    gradient ("zero") in the same step."""
+    from amp_backends import GradScaler
+
+    out: dict = {}
+    for kind in ("none", "zero"):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scaler = GradScaler("cpu", enabled=False, check_finite=True, process_group="world")
+        if rank == 0:
+            p.grad = torch.full((3,), float("inf"))
+        elif kind == "zero":
+            p.grad = torch.zeros(3)
+        scaler.step(opt)
+        scaler.update()
+        out[kind] = {"skipped": scaler.last_step_skipped, "stats": [scaler.stats.skipped, scaler.stats.overflows],
+                     "logged": _logged(rank)}
+    return out
+
+
+def test_a_rank_without_gradients_counts_the_skip_another_ranks_inf_makes(tmp_path):
+    """check_finite over two ranks, the inf on rank 0 in the very step rank 1 has no gradient: rank 1 records
+    the skip (last_step_skipped, skipped and overflow counts) as it does holding a zero gradient, and as rank 0
+    does."""
+    ranks = spawn(tmp_path, _inf_where_another_rank_has_none)
+    for r in ranks:
+        assert r["none"] == r["zero"] == {"skipped": True, "stats": [1, 1], "logged": _LOGGED}
+
+
+def _no_rank_has_gradients(rank: int, world: int) -> dict:
+    from amp_backends import GradScaler
+
+    out: dict = {}
+    for name, scaler in (("ours", GradScaler("cpu", process_group="world")), ("torch", torch.amp.GradScaler("cpu")),
+                         ("check_finite", GradScaler("cpu", enabled=False, check_finite=True, process_group="world"))):
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.ones((), requires_grad=True)
+        scaler.scale(x * 2).backward()  # a loss that reaches no parameter of the optimizer
+        try:
+            scaler.step(opt)
+            out[name] = "stepped"
+        except AssertionError as exc:
+            out[name] = str(exc)
+        out[name + "_logged"] = _logged(rank)
+    return out
+
+
+def test_a_loss_that_reaches_no_rank_s_parameters_raises_torch_s_assertion_on_every_rank(tmp_path):
+    """No rank has a gradient (a loss not connected to the model): with a process group every rank raises
+    torch's "No inf checks were recorded for this optimizer.", as torch's scaler does in one process, and
+    the ranks stay in step; check_finite (nothing to check) runs the optimizer, as it does in one process."""
+    for r in spawn(tmp_path, _no_rank_has_gradients):
+        assert r["ours"] == r["torch"] == "No inf checks were recorded for this optimizer."
+        assert r["check_finite"] == "stepped"
+        assert r["ours_logged"] == r["torch_logged"] == r["check_finite_logged"] == _LOGGED
+
+
+def test_a_device_status_read_by_an_earlier_optimizer_skips_the_host_path_with_its_gradients_untouched():
+    """A device whose overflow is a device-wide status (read and reset by the first optimizer's step) and
+    a second optimizer on the host path (fused SGD with momentum, its first step): skipped too, its
+    gradients left as they were (still multiplied by the scale), as the fused protocol leaves a skipped step."""
+    import amp_backends
+    from amp_backends import Backend, OverflowStatus
+
+    class Register:
+        overflow = False
+
+    reg = Register()
+
+    class StatusDevice(OverflowStatus, Backend):
+        name, device_type, default_dtype = "statusdev", "cpu", torch.float16
+
+        def unavailable_reason(self) -> None:
+            return None
+
+        def clear_overflow_status(self) -> None:
+            reg.overflow = False
+
+        def read_overflow_status_(self, found_inf: torch.Tensor) -> None:
+            if reg.overflow:
+                found_inf.fill_(1.0)
+            reg.overflow = False
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    o1 = torch.optim.SGD(a.parameters(), lr=0.1)
+    o2 = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9, fused=True)
+    scaler = amp_backends.GradScaler(StatusDevice(), init_scale=8.0)
+    loss = scaler.scale(a(torch.ones(1, 4)).sum() + b(torch.ones(1, 4)).sum())
+    reg.overflow = True
+    loss.backward()
+    before = [p.grad.clone() for p in b.parameters()]
+    weights = [p.detach().clone() for p in b.parameters()]
+    scaler.step(o1)
+    assert scaler.last_step_skipped
+    scaler.step(o2)
+    assert scaler.last_step_skipped
+    assert all(torch.equal(p.grad, g) for p, g in zip(b.parameters(), before)), "the skipped step's gradients untouched"
+    assert all(torch.equal(p.detach(), w) for p, w in zip(b.parameters(), weights))
