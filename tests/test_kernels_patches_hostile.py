@@ -387,9 +387,24 @@ print(json.dumps(out))
 """
 
 
+def _torch_itself_calls(path: str) -> bool:
+    """Whether torch's own ``torch._dynamo.disable`` calls the name (torch 2.4 calls ``skip``): deleting it
+    then breaks torch itself, so its absence cannot be simulated there."""
+    import inspect
+
+    name = path.rsplit(".", 1)[1]
+    try:
+        import torch._dynamo.decorators as decorators  # noqa: PLC0415 - only to read the source
+        return path.startswith("torch._dynamo.decorators") and f"{name}(" in inspect.getsource(decorators.disable)
+    except (ImportError, OSError, TypeError, AttributeError):
+        return False
+
+
 @pytest.mark.parametrize("path", ["torch._compile._disable_dynamo", "torch._dynamo.decorators.skip",
                                   "torch._C._storage_Use_Count"])
 def test_each_recorded_fallback_of_a_missing_private_name_works(path: str) -> None:
+    if _torch_itself_calls(path):
+        pytest.skip(f"this torch's own torch._dynamo.disable calls {path}: its absence cannot be simulated here")
     out = run_json(_WITHOUT.format(path=path), env={"PYTHONWARNINGS": "ignore"})
     # the scaler with an arena: the parameters torch's own GradScaler gives, zeroed either way
     assert out["optimizer"] and out["model"]

@@ -102,9 +102,13 @@ def compile_once_patch(optimizer: Any) -> patches.Patch | None:
 
 
 def _patch_of(optimizer: Any) -> patches.Patch | None:
-    """The compile_once patch in force on ``optimizer.step`` (read through a scheduler's wrapper too)."""
+    """The compile_once patch in force on ``optimizer.step`` (read through a scheduler's wrapper too, or,
+    where the wrapper carries no marks (torch 2.4's), from the patches in force on the optimizer)."""
     patch = getattr(optimizer.step, "_amp_compile_once", None)
-    return patch if isinstance(patch, patches.Patch) and patch.active else None
+    if not isinstance(patch, patches.Patch):
+        patch = patches.find(optimizer, "step")
+        patch = patch if patch is not None and patch.cause == _CAUSE else None
+    return patch if patch is not None and patch.active else None
 
 
 def undo_compile_once(optimizer: Any) -> None:
