@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from torchrun import TORCH_MINOR
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+# end to end through fresh gloo ranks (about two minutes together): the torch-version legs skip them
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
+              pytest.mark.slow]
 
 #: Seconds a gloo collective waits for the other ranks: a desynchronised program fails in that time.
 _PG_TIMEOUT = 30
